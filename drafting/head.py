@@ -1,0 +1,99 @@
+"""One multi-token-prediction (MTP) head: predicts token t+2 from token t+1 and the target's
+hidden at t.
+
+    e = norm_e(embed(token))            # the target's shared embedding
+    h = norm_h(hidden)                  # target hidden at t (post-final-norm by default)
+    x = fc(concat(e, h))                # MiMo concatenates (h, e)
+    x = layer(x, own KV cache)          # one decoder layer of the target's family
+    y = norm(x)                         # returned: the head's next-step hidden and logit input
+    logits = unembed(y)                 # the target's shared output head (or a vocab subset)
+
+Parameter names follow the Qwen3-Next checkpoint layout (``fc``, ``pre_fc_norm_embedding``,
+``pre_fc_norm_hidden``, ``layers.0``, ``norm``) without the ``mtp.`` prefix; the loaders in
+``drafting.load`` map the other naming schemes onto them. The head never imports ``runner``:
+the caller hands in the decoder layer, the embedding function and the output matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass
+class HeadConfig:
+    hidden_size: int
+    rms_norm_eps: float = 1e-6
+    # MiMo feeds concat(hidden, embedding); everyone else concat(embedding, hidden).
+    hidden_first: bool = False
+    # Condition on the target's pre-final-norm hidden instead of the post-norm one.
+    prenorm_hidden: bool = False
+    # Token ids the head drafts over (a reduced vocabulary); None = the full vocabulary.
+    draft_vocab: list[int] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class MTPHead(nn.Module):
+    def __init__(
+        self,
+        config: HeadConfig,
+        layer: nn.Module,
+        embed: Callable[[mx.array], mx.array],
+        output_weight: Callable[[], mx.array],
+    ) -> None:
+        """``layer`` is a fresh decoder layer of the target's family, called as
+        ``layer(x, mask, cache)``; ``embed`` maps ids to embeddings; ``output_weight`` returns
+        the target's ``[V, D]`` output matrix (only read when a draft vocabulary is set)."""
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.config = config
+        self.pre_fc_norm_embedding = nn.RMSNorm(d, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(d, eps=eps)
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.layers = [layer]
+        self.norm = nn.RMSNorm(d, eps=eps)
+        self._embed = embed
+        self._output_weight = output_weight
+        self.set_draft_vocab(config.draft_vocab)
+
+    def set_draft_vocab(self, ids: list[int] | None) -> None:
+        """Draft over ``ids`` only (logits column j is token ``ids[j]``), or the full vocab."""
+        self.config.draft_vocab = list(ids) if ids is not None else None
+        if ids is None:
+            self._vocab_ids = None
+            self._sub_t = None
+            return
+        self._vocab_ids = mx.array(ids, dtype=mx.int32)
+        self._sub_t = mx.contiguous(self._output_weight()[self._vocab_ids].T)
+
+    @property
+    def draft_vocab_ids(self) -> mx.array | None:
+        return self._vocab_ids
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        hidden: mx.array,
+        cache,
+        mask: mx.array | str | None = None,
+    ) -> mx.array:
+        """Run the head over ``tokens`` ``[B, L]`` paired with target hiddens ``[B, L, D]``.
+
+        Writes L entries into ``cache`` at its offset; returns the normed outputs ``[B, L, D]``.
+        """
+        e = self.pre_fc_norm_embedding(self._embed(tokens))
+        h = self.pre_fc_norm_hidden(hidden)
+        x = self.fc(mx.concatenate([h, e] if self.config.hidden_first else [e, h], axis=-1))
+        if mask is None and tokens.shape[1] > 1:
+            mask = "causal"
+        x = self.layers[0](x, mask, cache)
+        return self.norm(x)
+
+    def logits(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array:
+        """Logits over the draft vocabulary (``[..., Vd]``) or, without one, ``unembed(y)``."""
+        if self._sub_t is not None:
+            return y @ self._sub_t
+        return unembed(y)

@@ -1,0 +1,239 @@
+"""GGUF files: hyper-parameters and tensors mapped to the Hugging Face layout, and a tokenizer.
+
+``mx.load`` reads GGUF and hands Q4_0/Q4_1/Q8_0 tensors over as MLX affine-quantized triples
+(``weight``/``scales``/``biases``, group size 32). llama.cpp's converter permutes the rows of
+llama Q/K projections for interleaved RoPE; we undo that so every model in memory has the
+Hugging Face layout (rotate-half RoPE), whatever file it came from.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from runner.errors import (
+    CorruptModelFile,
+    UnsupportedArchitecture,
+    UnsupportedTokenizer,
+)
+from runner.loader import (
+    LoadedModel,
+    Progress,
+    apply_weights,
+    dequantize_weights,
+    quantize_model,
+)
+from runner.models import build_model
+from runner.tokenizer import Tokenizer
+
+GGUF_GROUP_SIZE = 32
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+# Pre-tokenizer split patterns by ``tokenizer.ggml.pre`` (llama.cpp's names).
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_PATTERNS = {
+    "llama-bpe": _LLAMA3_PATTERN,
+    "llama3": _LLAMA3_PATTERN,
+    "qwen2": _QWEN2_PATTERN,
+    "qwen35": _QWEN2_PATTERN,
+}
+_DIGIT_SPLITTING = {"smollm", "starcoder", "refact"}
+
+
+def _scalar(v):
+    if isinstance(v, mx.array):
+        return v.item() if v.size == 1 else v.tolist()
+    return v
+
+
+def read_gguf(path: str) -> tuple[dict[str, mx.array], dict]:
+    try:
+        weights, meta = mx.load(path, return_metadata=True)
+    except Exception as exc:
+        raise CorruptModelFile(f"cannot read GGUF ({exc})", path=path) from None
+    return weights, meta
+
+
+def gguf_config(meta: dict, path: str) -> dict:
+    """A Hugging Face style config dict from GGUF metadata."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedArchitecture(
+            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})",
+            path=path,
+        )
+
+    def get(key: str, default=None):
+        v = meta.get(f"{arch}.{key}", default)
+        return _scalar(v)
+
+    try:
+        heads = int(get("attention.head_count"))
+        hidden = int(get("embedding_length"))
+        config = {
+            "model_type": arch,
+            "hidden_size": hidden,
+            "num_hidden_layers": int(get("block_count")),
+            "intermediate_size": int(get("feed_forward_length")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(get("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(get("context_length", 4096)),
+        }
+    except (TypeError, ValueError) as exc:
+        raise CorruptModelFile(f"missing or bad hyper-parameter ({exc})", path=path) from None
+    key_len = get("attention.key_length")
+    if key_len is not None:
+        config["head_dim"] = int(key_len)
+    scaling = get("rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise UnsupportedArchitecture(f"unsupported GGUF rope scaling {scaling!r}", path=path)
+    vocab = get("vocab_size")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    config["vocab_size"] = int(vocab) if vocab is not None else len(tokens or [])
+    return config
+
+
+def _unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
+    """Invert llama.cpp's Q/K row permutation (interleaved pairs -> rotate-half halves)."""
+    rows = w.shape[0]
+    head_dim = rows // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def map_gguf_tensors(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
+    """Rename GGUF tensors to Hugging Face names and undo the llama Q/K permutation."""
+    out: dict[str, mx.array] = {}
+    for name, w in weights.items():
+        stem, _, suffix = name.rpartition(".")
+        if stem.startswith("blk."):
+            _, idx, part = stem.split(".", 2)
+            mapped = _LAYER_NAMES.get(part)
+            if mapped is None:
+                out[name] = w  # unknown tensors surface as extras, not silently used
+                continue
+            key = f"model.layers.{idx}.{mapped}.{suffix}"
+            if config["model_type"] == "llama" and part in ("attn_q", "attn_k"):
+                heads = (
+                    config["num_attention_heads"]
+                    if part == "attn_q"
+                    else config["num_key_value_heads"]
+                )
+                w = _unpermute_rows(w, heads)
+            out[key] = w
+        elif stem in _TOP_NAMES:
+            out[f"{_TOP_NAMES[stem]}.{suffix}"] = w
+        elif stem == "rope_freqs":
+            factors = w.astype(mx.float32).tolist()
+            config["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
+        else:
+            out[name] = w
+    return out
+
+
+def gguf_tokenizer(meta: dict, path: str) -> Tokenizer:
+    """Build a byte-level BPE ``tokenizers.Tokenizer`` from GGUF metadata (``gpt2`` model)."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        raise UnsupportedTokenizer("GGUF carries no tokenizer", path=path)
+    if kind != "gpt2":
+        raise UnsupportedTokenizer(
+            f"unsupported GGUF tokenizer model {kind!r} (only 'gpt2' byte-level BPE)", path=path
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise CorruptModelFile("GGUF tokenizer lacks tokens or merges", path=path)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    pattern = _PRE_PATTERNS.get(pre)
+    steps = []
+    if pre in _DIGIT_SPLITTING:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if pattern is not None:
+        steps.append(pre_tokenizers.Split(Regex(pattern), behavior="isolated"))
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    else:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    hf.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    hf.decoder = decoders.ByteLevel()
+    types = _scalar(meta.get("tokenizer.ggml.token_type"))
+    if isinstance(types, list):
+        # 3 = control, 4 = user-defined: matched as whole strings before BPE.
+        special = [tokens[i] for i, t in enumerate(types) if t in (3, 4)]
+        hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
+
+    def token_id(key: str) -> int | None:
+        v = meta.get(key)
+        return None if v is None else int(_scalar(v))
+
+    bos = token_id("tokenizer.ggml.bos_token_id")
+    eos = token_id("tokenizer.ggml.eos_token_id")
+    eot = token_id("tokenizer.ggml.eot_token_id")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    add_bos = bool(_scalar(add_bos)) if add_bos is not None else False
+    eos_ids = [i for i in (eos, eot) if i is not None]
+    return Tokenizer(hf, bos_id=bos, eos_ids=eos_ids, add_bos=add_bos, vocab_size=len(tokens))
+
+
+def load_gguf(path: str, dtype: mx.Dtype, keep_quantized: bool, report: Progress) -> LoadedModel:
+    report("read", 0, 1)
+    weights, meta = read_gguf(path)
+    report("read", 1, 1)
+    config = gguf_config(meta, path)
+    tokenizer = gguf_tokenizer(meta, path)
+    weights = map_gguf_tensors(weights, config)
+    if "lm_head.weight" not in weights:
+        config["tie_word_embeddings"] = True
+    model = build_model(config, path=path)
+    quantized = any(k.endswith(".scales") for k in weights)
+    if quantized and keep_quantized:
+        quantize_model(model, weights, GGUF_GROUP_SIZE)
+    elif quantized:
+        report("dequantize", 0, 1)
+        dequantize_weights(weights, GGUF_GROUP_SIZE, None)
+    extras = apply_weights(model, weights, {"*": path}, dtype)
+    report("ready", 1, 1)
+    name = _scalar(meta.get("general.name")) or os.path.splitext(os.path.basename(path))[0]
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, config=config, name=str(name), path=path,
+        context_length=config["max_position_embeddings"], dtype=dtype,
+        quantized=quantized and keep_quantized, extra_weights=extras,
+    )  # fmt: skip

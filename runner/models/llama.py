@@ -1,0 +1,228 @@
+"""The Llama family on MLX: llama, mistral, qwen2, qwen3 (SmolLM2 is llama).
+
+Parameter names follow Hugging Face checkpoints so safetensors load without renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cache.kv import KVCache
+from runner.models.layers import Linear, dense_weight, pack_for_cpu
+from runner.models.rope import RoPE
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_traditional: bool = False
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.model_type == "qwen3":
+            self.qk_norm = True
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelArgs:
+        """Read a Hugging Face ``config.json`` dict; unknown keys go to ``extra``."""
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        args = {k: v for k, v in config.items() if k in known}
+        if config.get("model_type") == "qwen2":
+            args.setdefault("attention_bias", True)
+        if "tie_word_embeddings" not in config and config.get("model_type") == "qwen2":
+            args["tie_word_embeddings"] = False
+        extra = {k: v for k, v in config.items() if k not in known}
+        return cls(**args, extra=extra)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        dim, bias = args.hidden_size, args.attention_bias
+        self.q_proj = Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        # qwen2 puts biases on q/k/v only; llama's attention_bias covers o_proj too.
+        o_bias = bias and args.model_type != "qwen2"
+        self.o_proj = Linear(self.n_heads * self.head_dim, dim, bias=o_bias)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope = RoPE(
+            self.head_dim, base=args.rope_theta, traditional=args.rope_traditional,
+            scaling=args.rope_scaling,
+        )  # fmt: skip
+
+    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: KVCache) -> mx.array:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        dim, hidden, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = Linear(dim, hidden, bias=bias)
+        self.up_proj = Linear(dim, hidden, bias=bias)
+        self.down_proj = Linear(hidden, dim, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block; MTP heads reuse it with their own KV cache."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: KVCache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+def causal_mask(length: int, caches: list[KVCache]) -> str | None:
+    """Single-row queries see the whole cache; longer ones get MLX's bottom-right causal mask."""
+    return "causal" if length > 1 else None
+
+
+class Model(nn.Module):
+    """A Llama-family causal LM. ``forward`` returns logits and post-final-norm hidden rows."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    def make_caches(self) -> list[KVCache]:
+        return [KVCache() for _ in self.model.layers]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.model.embed_tokens(tokens)
+
+    def hidden(
+        self,
+        tokens: mx.array,
+        caches: list[KVCache],
+        mask: mx.array | str | None = None,
+        prenorm: bool = False,
+    ) -> mx.array:
+        """Run the decoder stack over ``tokens`` (``[B, L]``); return ``[B, L, D]`` hiddens.
+
+        ``mask`` defaults to causal over the cached prefix; pass an additive or boolean array
+        for left-padded batches. ``prenorm`` returns the hidden before the final norm.
+        """
+        x = self.model.embed_tokens(tokens)
+        if mask is None:
+            mask = causal_mask(tokens.shape[1], caches)
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            x = layer(x, mask, cache)
+        return x if prenorm else self.model.norm(x)
+
+    def unembed(self, hidden: mx.array) -> mx.array:
+        """Project post-norm hidden rows to vocabulary logits."""
+        if "_embed_t" in self:
+            return hidden @ self._embed_t
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def output_weight(self) -> mx.array:
+        """The dense ``[V, D]`` output projection (tied embedding or ``lm_head``)."""
+        if self.args.tie_word_embeddings:
+            embed = self.model.embed_tokens
+            if isinstance(embed, nn.QuantizedEmbedding):
+                return mx.dequantize(
+                    embed.weight, embed.scales, embed.get("biases"), embed.group_size, embed.bits
+                )
+            return embed.weight
+        return dense_weight(self.lm_head)
+
+    def pack_for_cpu(self) -> None:
+        """Store dense weights transposed for fast one-row matmuls (see ``layers``)."""
+        pack_for_cpu(self)
+        embed = self.model.embed_tokens
+        if self.args.tie_word_embeddings and type(embed) is nn.Embedding:
+            # Lookups need the [V, D] table; the output projection wants [D, V] contiguous.
+            self._embed_t = mx.contiguous(embed.weight.T)
+        mx.eval([v for _, v in _private_arrays(self)])
+
+    def forward(
+        self, tokens: mx.array, caches: list[KVCache], mask: mx.array | str | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """Logits ``[B, L, V]`` for every fed row and the post-final-norm hiddens ``[B, L, D]``.
+
+        Both are lazy: a caller that only needs the last row slices the hidden and calls
+        :meth:`unembed` itself so the full-vocabulary projection runs once.
+        """
+        h = self.hidden(tokens, caches, mask)
+        return self.unembed(h), h
+
+    def __call__(self, tokens: mx.array, caches: list[KVCache]) -> mx.array:
+        return self.forward(tokens, caches)[0]
+
+
+def _private_arrays(module: nn.Module):
+    """Arrays kept outside ``parameters()`` (underscore keys), e.g. packed weights."""
+    for _, child in module.named_modules():
+        for key, value in child.items():
+            if key.startswith("_") and isinstance(value, mx.array):
+                yield key, value
