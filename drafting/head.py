@@ -65,9 +65,12 @@ class MTPHead(nn.Module):
         if ids is None:
             self._vocab_ids = None
             self._sub_t = None
+            self._vocab_size = None
             return
+        weight = self._output_weight()
+        self._vocab_size = int(weight.shape[0])
         self._vocab_ids = mx.array(ids, dtype=mx.int32)
-        self._sub_t = mx.contiguous(self._output_weight()[self._vocab_ids].T)
+        self._sub_t = mx.contiguous(weight[self._vocab_ids].T)
 
     @property
     def draft_vocab_ids(self) -> mx.array | None:
@@ -97,3 +100,13 @@ class MTPHead(nn.Module):
         if self._sub_t is not None:
             return y @ self._sub_t
         return unembed(y)
+
+    def draft_logits(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array:
+        """Logits over the FULL vocabulary ``[..., V]``: with a draft vocabulary the ``Vd``
+        computed columns are scattered into a row of -inf, so a sampler sees no other token."""
+        logits = self.logits(y, unembed)
+        if self._vocab_ids is None:
+            return logits
+        full = mx.full((*logits.shape[:-1], self._vocab_size), -mx.inf, dtype=logits.dtype)
+        ids = mx.broadcast_to(self._vocab_ids, logits.shape)
+        return mx.put_along_axis(full, ids, logits, axis=-1)

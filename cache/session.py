@@ -1,0 +1,228 @@
+"""The prefix cache as a request sees it: restore the longest cached prefix, record, page out.
+
+One path of the trie is *live*: its positions are what the cache buffers hold, and its
+snapshots are lazy ranges of those buffers. ``begin`` switches the live caches to the best
+match (a rewind when it is on the live path, snapshot restores otherwise); ``close`` indexes
+what the caches hold after the request and enforces the byte budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cache.kv import KVCache, KVSnapshot
+from cache.trie import Node, PrefixTrie
+
+SNAPSHOT_INTERVAL = 2048
+# A snapshot this many tokens before the prompt end lets a regenerated last turn (whose final
+# template tokens differ) restore almost everything.
+PRE_TURN = 4
+
+
+class CacheDesyncError(RuntimeError):
+    """The caches do not hold what the session recorded: a bug in the caller."""
+
+
+def trie_keys(tokens: Sequence[int], pair: bool) -> list[int]:
+    """The trie key of each position: the token, or with ``pair`` the pair (token, next token).
+
+    A draft KV slot S depends on token S+1, so pair keys make every match a valid restore
+    point for it: matching k keys verifies k+1 tokens. The last token has no pair key yet.
+    ``tokens`` are Python ints below 2**32.
+    """
+    if not pair:
+        return list(tokens)
+    return [(a << 32) | b for a, b in zip(tokens, tokens[1:], strict=False)]
+
+
+class CacheSession:
+    """One request's view of the prefix cache; see ``PrefixCache.begin``."""
+
+    def __init__(
+        self, owner: PrefixCache, prompt: list[int], cached: int, points: list[int]
+    ) -> None:
+        self._owner = owner
+        self.prompt = prompt
+        self.cached = cached  # prompt tokens restored from the cache
+        self.remaining = prompt[cached:]  # still to evaluate; the last one seeds decoding
+        self._points = points
+        self.recorded: list[int] = []
+        self.reached_offset = cached
+        self.closed = False
+
+    def snapshot_points(self) -> list[int]:
+        """Ascending absolute offsets past ``cached`` where prefill chunks should end."""
+        return list(self._points)
+
+    def reached(self, offset: int) -> None:
+        """A prefill chunk ended at ``offset``. KV snapshots are taken at close from the caches'
+        actual offset, so this only keeps the progress for inspection."""
+        self.reached_offset = max(self.reached_offset, offset)
+
+    def record(self, tokens: Sequence[int]) -> None:
+        """Generated ids in order, including a final sampled-but-unfed one."""
+        self.recorded.extend(map(int, tokens))
+
+    def close(self) -> None:
+        """Index what the caches hold and enforce the budget; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        self._owner._close(self)
+
+
+class PrefixCache:
+    """A trie of token prefixes over the given cache slots, with a budget for paged-out bytes.
+
+    ``caches`` lists every cache slot the model uses (target layers, then draft-head layers);
+    they rest at one offset between requests and are touched only through sessions.
+    """
+
+    def __init__(
+        self,
+        caches: list[KVCache],
+        budget_bytes: int,
+        *,
+        pair_keys: bool = False,
+        enabled: bool = True,
+        snapshot_interval: int = SNAPSHOT_INTERVAL,
+    ) -> None:
+        if snapshot_interval < 1:
+            raise ValueError("snapshot_interval must be positive")
+        self.caches = list(caches)
+        self.budget_bytes = budget_bytes
+        self.pair_keys = pair_keys
+        self.enabled = enabled
+        self.snapshot_interval = snapshot_interval
+        self.trie = PrefixTrie()
+        self._live: list[Node] = [self.trie.root]  # the path the buffers hold, root first
+        self._open: CacheSession | None = None
+
+    @property
+    def entries(self) -> int:
+        """Nodes holding snapshots."""
+        return self.trie.entries
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of paged-out (copied) snapshots; the live buffers are not counted."""
+        return self.trie.nbytes
+
+    def set_pair_keys(self, on: bool) -> None:
+        """Switch the key scheme; stored prefixes under the other scheme are dropped."""
+        if on != self.pair_keys:
+            self.pair_keys = on
+            self.clear()
+
+    def clear(self) -> None:
+        """Forget every stored prefix (call before resetting the caches to skip copy-outs)."""
+        self.trie.clear()
+        self._live = [self.trie.root]
+
+    # ------------------------------------------------------------------ begin
+    def begin(self, tokens: Sequence[int]) -> CacheSession:
+        """Restore the longest cached prefix of ``tokens``; at least one token is left to run.
+
+        A session left open by the previous request is abandoned (its close does nothing).
+        """
+        prompt = list(map(int, tokens))
+        if not prompt:
+            raise ValueError("cannot begin a cache session for an empty prompt")
+        if self._open is not None:
+            self._open.closed = True
+        self._level()
+        if self.enabled:
+            path, matched = self.trie.match(trie_keys(prompt, self.pair_keys))
+            matched = min(matched, len(prompt) - 1)
+            self._switch(path, matched)
+            points = self._points(len(prompt), matched)
+        else:
+            self._rewind_all(0)
+            self._live = [self.trie.root]
+            matched, points = 0, []
+        self._open = CacheSession(self, prompt, matched, points)
+        return self._open
+
+    def _level(self) -> None:
+        """Rest every cache at the lowest offset and trim the live path to what they hold."""
+        low = min((c.offset for c in self.caches), default=0)
+        self._rewind_all(low)
+        self._live = [n for n in self._live if n.end <= low]
+
+    def _rewind_all(self, offset: int) -> None:
+        for c in self.caches:
+            c.rewind(offset)
+
+    def _switch(self, path: list[Node], matched: int) -> None:
+        """Make the caches hold the first ``matched`` positions of ``path``."""
+        common = 0
+        for live, node in zip(self._live, path, strict=False):
+            if live is not node:
+                break
+            common += 1
+        keep = min(path[common - 1].end, matched)
+        self._rewind_all(keep)
+        self._live = [n for n in path[:common] if n.end <= keep]
+        for node in path[common:]:
+            target = min(node.end, matched)
+            if target <= node.start:
+                break
+            for c, snap in zip(self.caches, node.snapshots, strict=True):
+                c.restore(snap, target)
+            if target == node.end:
+                self._live.append(node)
+        self.trie.touch(self._live[-1])
+
+    def _points(self, length: int, cached: int) -> list[int]:
+        shift = 1 if self.pair_keys else 0
+        wanted = set(range(self.snapshot_interval, length, self.snapshot_interval))
+        wanted.add(length - PRE_TURN)
+        return sorted(p - shift for p in wanted if cached < p - shift < length)
+
+    # ------------------------------------------------------------------ close
+    def _live_snapshots(self, start: int, end: int) -> list[KVSnapshot]:
+        return [c.snapshot(start, end) for c in self.caches]
+
+    def _close(self, session: CacheSession) -> None:
+        if session is not self._open:
+            return
+        self._open = None
+        offsets = [c.offset for c in self.caches]
+        low = min(offsets, default=0)
+        stored = session.prompt + session.recorded
+        self._live = [n for n in self._live if n.end <= low]
+        if offsets and max(offsets) != low:
+            raise CacheDesyncError(f"cache slots rest at different offsets: {sorted(set(offsets))}")
+        if low > len(stored):
+            raise CacheDesyncError(
+                f"caches hold {low} positions but only {len(stored)} tokens were recorded"
+            )
+        if not self.enabled:
+            return
+        keys = trie_keys(stored, self.pair_keys)
+        indexed = min(low, len(keys))
+        self._live = [n for n in self._live if n.end <= indexed]
+        # Node boundaries at the requested points the caches passed, then the end.
+        stops = sorted({p for p in session._points if self._live[-1].end < p <= indexed})
+        for stop in [*stops, indexed]:
+            if stop > self._live[-1].end:
+                self._live += self.trie.extend(self._live[-1], keys, stop, self._live_snapshots)
+            if stop in stops:
+                self._live[-1].user = True
+        self._compact()
+        self.trie.touch(self._live[-1])
+        self.trie.evict(self.budget_bytes, self._live)
+
+    def _compact(self) -> None:
+        """Fold plain (non-user) single-child nodes of the live path into their child."""
+        path = [self._live[0]]
+        for i, node in enumerate(self._live[1:], start=1):
+            last = i == len(self._live) - 1
+            if not last and not node.user and len(node.children) == 1:
+                continue  # folded into the next node below
+            path.append(node)
+        # Merge bottom-up so each merge sees its child already in place.
+        for node in reversed(self._live[1:-1]):
+            if not node.user and len(node.children) == 1:
+                self.trie.merge_into_child(node)
+        self._live = path

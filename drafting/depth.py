@@ -1,0 +1,268 @@
+"""The depth controller: how many tokens to draft per speculative round.
+
+One controller lives per loaded model and keeps its state across requests. It picks the depth
+N that maximises expected committed tokens per second,
+
+    EV(N) = (1 + sum_{k=1..N} prod_{i<=k} a_i) / cost(N),
+
+from two measured models:
+
+- acceptance: per draft position i >= 1, an EWMA (alpha 0.1) of P(draft i accepted | drafts
+  1..i-1 accepted). A position is trusted after 10 samples; an untrusted position borrows the
+  deepest trusted rate below it (1.0 when there is none: optimistic, so deeper depths get tried).
+  Positions after an accepted EOS are not judged.
+- cost: per depth, an EWMA (alpha 0.3) of a round's wall time, from its start to the start of
+  the next round, recorded only when the round's depth equals the previous round's depth (a
+  change of batch shape costs extra once). Each innovation is clamped to +-25% of the current
+  value so one host stall cannot flip the choice. Between sampled depths the cost is
+  interpolated linearly, beyond them it is flat.
+
+Depth 0 (plain decoding) is a real option, measured like any other, so speculation never
+settles on being slower than plain decoding. The search stops one position past the deepest
+trusted position and at ``max_depth`` (``--max-draft``). Every so often the controller probes
+one depth deeper than its choice; the interval starts at 4 rounds and doubles after each probe
+that did not change the choice, up to 512, and snaps back to 4 when the choice changes. A depth
+in range that has no cost sample yet is drafted before anything else (cost seeding).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+COST_ALPHA = 0.3
+ACCEPT_ALPHA = 0.1
+TRUSTED_AFTER = 10  # acceptance samples before a position's rate is believed
+COST_CLAMP = 0.25  # largest relative move of a cost EWMA per sample
+PROBE_FIRST = 4
+PROBE_MAX = 512
+DEFAULT_MAX_DEPTH = 8
+
+
+class DepthController:
+    """Per-model depth choice; see the module docstring. ``clock`` returns seconds."""
+
+    def __init__(
+        self,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.max_depth = max(int(max_depth), 0)
+        self._clock = clock
+        self._lock = threading.Lock()  # status() reads from other threads
+        self._cost: dict[int, float] = {}
+        # index i = draft position i (index 0 unused)
+        self._rate = [0.0] * (self.max_depth + 1)
+        self._seen = [0] * (self.max_depth + 1)
+        self.scheduled = 0
+        self._selected = 0
+        self._probe_interval = PROBE_FIRST
+        self._probe_since = 0
+        self._probing = False
+        self._round_start: float | None = None
+        self._round_depth: int | None = None
+        self._before_depth: int | None = None
+
+    # -- per-request plumbing -----------------------------------------------------------------
+
+    def session(self, speculative: bool = True) -> DepthSession:
+        """The per-request view; ``speculative=False`` (or logprobs) pins depth 0."""
+        return DepthSession(self if speculative and self.max_depth > 0 else None)
+
+    def begin_request(self) -> None:
+        """Forget the round clock: the gap between requests is not a round's cost."""
+        with self._lock:
+            self._round_start = self._round_depth = self._before_depth = None
+
+    # -- measurements -------------------------------------------------------------------------
+
+    def round_started(self, depth: int) -> None:
+        """A round of ``depth`` drafts starts now; closes the previous round's cost sample."""
+        now = self._clock()
+        with self._lock:
+            if self._round_start is not None and self._round_depth == self._before_depth:
+                self._add_cost(self._round_depth, now - self._round_start)
+            self._before_depth = self._round_depth
+            self._round_depth = depth
+            self._round_start = now
+
+    def record_cost(self, depth: int, seconds: float) -> None:
+        """Feed one round-cost sample directly (tests, benchmarks)."""
+        with self._lock:
+            self._add_cost(depth, seconds)
+
+    def _add_cost(self, depth: int, seconds: float) -> None:
+        old = self._cost.get(depth)
+        if old is None:
+            self._cost[depth] = seconds
+            return
+        bound = COST_CLAMP * old
+        innovation = min(max(seconds - old, -bound), bound)
+        self._cost[depth] = old + COST_ALPHA * innovation
+
+    def observe(self, judged: int, accepted: int) -> None:
+        """Acceptance of one round: ``judged`` positions had a verdict (the drafts, or up to an
+        accepted EOS), the first ``accepted`` of them were accepted."""
+        with self._lock:
+            for i in range(1, min(judged, self.max_depth) + 1):
+                if accepted < i - 1:
+                    break  # never reached: an earlier draft was rejected
+                outcome = 1.0 if accepted >= i else 0.0
+                if self._seen[i] == 0:
+                    self._rate[i] = outcome
+                else:
+                    self._rate[i] += ACCEPT_ALPHA * (outcome - self._rate[i])
+                self._seen[i] += 1
+
+    # -- the model ----------------------------------------------------------------------------
+
+    def acceptance(self, position: int) -> float:
+        """Trusted acceptance at ``position`` (>= 1), borrowing from shallower positions."""
+        for i in range(min(position, self.max_depth), 0, -1):
+            if self._seen[i] >= TRUSTED_AFTER:
+                return self._rate[i]
+        return 1.0
+
+    def frontier(self) -> int:
+        """Deepest position i such that positions 1..i are all trusted."""
+        depth = 0
+        while depth < self.max_depth and self._seen[depth + 1] >= TRUSTED_AFTER:
+            depth += 1
+        return depth
+
+    def limit(self) -> int:
+        return min(self.frontier() + 1, self.max_depth)
+
+    def cost(self, depth: int) -> float | None:
+        """Round cost at ``depth``: sampled, interpolated, or flat beyond the sampled range."""
+        if not self._cost:
+            return None
+        if depth in self._cost:
+            return self._cost[depth]
+        sampled = sorted(self._cost)
+        if depth < sampled[0]:
+            return self._cost[sampled[0]]
+        if depth > sampled[-1]:
+            return self._cost[sampled[-1]]
+        hi = next(d for d in sampled if d > depth)
+        lo = max(d for d in sampled if d < depth)
+        t = (depth - lo) / (hi - lo)
+        return self._cost[lo] + t * (self._cost[hi] - self._cost[lo])
+
+    def expected_committed(self, depth: int) -> float:
+        total, run = 1.0, 1.0
+        for i in range(1, depth + 1):
+            run *= self.acceptance(i)
+            total += run
+        return total
+
+    def rate(self, depth: int) -> float:
+        """Expected committed tokens per second at ``depth`` (0 when the cost is unknown)."""
+        cost = self.cost(depth)
+        return self.expected_committed(depth) / cost if cost and cost > 0 else 0.0
+
+    def selected(self) -> int:
+        """The depth with the best rate in [0, limit]; 0 until two depths have costs."""
+        if len(self._cost) < 2:
+            return 0
+        best, best_rate = 0, self.rate(0)
+        for depth in range(1, self.limit() + 1):
+            r = self.rate(depth)
+            if r > best_rate:  # strict: ties keep the shallower depth
+                best, best_rate = depth, r
+        return best
+
+    # -- the decision -------------------------------------------------------------------------
+
+    def next(self) -> int:
+        """Choose the depth of the next round (called once per finished round)."""
+        with self._lock:
+            sel = self.selected()
+            if sel != self._selected:
+                self._selected = sel
+                self._probe_interval = PROBE_FIRST
+                self._probe_since = 0
+            elif self._probing:
+                self._probe_interval = min(2 * self._probe_interval, PROBE_MAX)
+            self._probing = False
+            limit = self.limit()
+            choice = sel
+            self._probe_since += 1
+            if self._probe_since >= self._probe_interval:
+                self._probe_since = 0
+                probe = min(sel + 1, limit)
+                if probe != sel:
+                    choice = probe
+                    self._probing = True
+            if not self._probing:
+                unsampled = [d for d in range(limit + 1) if d not in self._cost]
+                if unsampled:
+                    choice = unsampled[0]
+            self.scheduled = choice
+            return choice
+
+    def state(self) -> dict:
+        """Plain values for the ``status`` frame."""
+        with self._lock:
+            return {
+                "depth": self.scheduled,
+                "selected": self._selected,
+                "max_depth": self.max_depth,
+                "cost_ms": {d: round(c * 1000.0, 3) for d, c in sorted(self._cost.items())},
+                "acceptance": [
+                    round(self._rate[i], 4) if self._seen[i] >= TRUSTED_AFTER else None
+                    for i in range(1, self.max_depth + 1)
+                ],
+                "samples": list(self._seen[1:]),
+                "probe_interval": self._probe_interval,
+            }
+
+
+class DepthSession:
+    """One request's view of the controller; a disabled session always says depth 0."""
+
+    def __init__(self, controller: DepthController | None) -> None:
+        self.controller = controller
+        if controller is not None:
+            controller.begin_request()
+
+    @property
+    def enabled(self) -> bool:
+        return self.controller is not None
+
+    @property
+    def depth(self) -> int:
+        return self.controller.scheduled if self.controller is not None else 0
+
+    def round_started(self, depth: int) -> None:
+        if self.controller is not None:
+            self.controller.round_started(depth)
+
+    def round_finished(self, judged: int, accepted: int) -> None:
+        if self.controller is None:
+            return
+        if judged > 0:
+            self.controller.observe(judged, accepted)
+        self.controller.next()
+
+
+class FixedDepth:
+    """A constant depth with the session interface (tests, benchmarks, ``--draft-depth``)."""
+
+    def __init__(self, depth: int) -> None:
+        self._depth = max(int(depth), 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self._depth > 0
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    def round_started(self, depth: int) -> None:
+        pass
+
+    def round_finished(self, judged: int, accepted: int) -> None:
+        pass

@@ -1,0 +1,256 @@
+"""The per-request MTP draft session: pairs, the pending flush, settle and propose.
+
+Draft KV slot S holds the pair (embedding of token S+1, target hidden at S), so a pair
+completes only when the token after S is known. Completed pairs wait in a pending list and
+reach the head in ONE batched forward (at the committed draft offset) when ``flush_at`` are
+pending, at ``settle``, when a round proposes, or at ``close``. Drafting writes speculative
+entries above the committed offset; the next flush rewinds them and writes the verified
+pairs from target hiddens, so the head's own hiddens never enter the committed draft KV.
+
+Nothing here evaluates: the caller evaluates drafts together with verification (one host
+sync per round). The session tracks two offsets:
+
+    frontier   the slot after the last token reported through ``committed``
+    offset     draft KV slots holding verified pairs; offset + pending <= frontier
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from cache.kv import KVCache
+
+# Pending pairs that trigger a flush. Measured on the default model's head shapes
+# (D=576, 9/3 heads, MLP 1536, float32, OpenBLAS, this 2-core CPU; best of 5, at draft offsets
+# 0 / 1024): per-pair cost of one batched head forward is 3.1/3.4 ms at 1 pair, 0.95/0.85 ms
+# at 8, 0.26/0.40 ms at 32, 0.15/0.31 ms at 128, 0.16/0.51 ms at 256, 0.21/0.36 ms at 512.
+# Past ~128 pairs the per-pair cost stops falling (attention over the batch grows), so a
+# larger cap buys nothing, while a 256-pair flush (~40-130 ms) stays within about one target
+# decode step (~100 ms) and bounds the target hiddens held alive by pending pairs.
+FLUSH_AT = 256
+
+
+class Sampler(Protocol):
+    """What ``propose`` needs from ``runner.sampler.Sampler`` (see docs/INTERNALS.md)."""
+
+    def distributions(self, logits: mx.array, chain: Any) -> mx.array: ...
+
+    def draw(self, probs: mx.array) -> mx.array: ...
+
+
+class Head(Protocol):
+    """What the session needs from ``drafting.head.MTPHead``."""
+
+    def __call__(self, tokens: mx.array, hidden: mx.array, cache: Any) -> mx.array: ...
+
+    def draft_logits(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array: ...
+
+
+@dataclass
+class Proposal:
+    """k drafted tokens and the processed distributions q they were drawn from (lazy)."""
+
+    tokens: mx.array  # [k] int32
+    probs: mx.array  # [k, V] over the full vocabulary
+
+
+def _as_ids(tokens: int | Sequence[int] | mx.array) -> mx.array:
+    if isinstance(tokens, int):
+        return mx.array([tokens], dtype=mx.int32)
+    if isinstance(tokens, mx.array):
+        return tokens.reshape(-1).astype(mx.int32)
+    return mx.array([int(t) for t in tokens], dtype=mx.int32)
+
+
+class DraftSession:
+    """One request's view of the draft head and its KV cache (opened before prefill).
+
+    Opens at the draft cache's current offset (a restored prefix): those pairs are trusted
+    and reports that overlap them are skipped.
+    """
+
+    def __init__(
+        self,
+        head: Head,
+        cache: KVCache,
+        unembed: Callable[[mx.array], mx.array],
+        *,
+        flush_at: int = FLUSH_AT,
+    ) -> None:
+        if flush_at < 1:
+            raise ValueError(f"flush_at must be >= 1, got {flush_at}")
+        self.head = head
+        self.cache = cache
+        self.unembed = unembed
+        self.flush_at = flush_at
+        self._offset = cache.offset
+        self._frontier = cache.offset
+        self._frontier_hidden: mx.array | None = None  # [D], target hidden at frontier - 1
+        self._pending_tokens: list[mx.array] = []
+        self._pending_hiddens: list[mx.array] = []
+        self._pending = 0
+        # Last output row of the last flush and the slot it was written at: when that slot
+        # is frontier - 1 the row already predicts the token after the current one.
+        self._held: mx.array | None = None
+        self._held_slot = -1
+        self._discarded = False
+
+    # -- state, for the round driver and tests --------------------------------------------
+
+    @property
+    def primed(self) -> bool:
+        """Something was committed in this session, so a frontier hidden exists."""
+        return self._frontier_hidden is not None
+
+    @property
+    def offset(self) -> int:
+        """Draft KV slots holding verified pairs."""
+        return self._offset
+
+    @property
+    def frontier(self) -> int:
+        return self._frontier
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    @property
+    def discarded(self) -> bool:
+        return self._discarded
+
+    # -- reports from the decoder -----------------------------------------------------------
+
+    def committed(self, tokens: Sequence[int] | mx.array, hiddens: mx.array, position: int) -> None:
+        """Report a run the target caches now hold: ``tokens`` at slots ``position..``, with
+        ``hiddens`` (``[L, D]`` or ``[1, L, D]``) the target's hiddens of those tokens.
+
+        Token i completes the pair of slot position + i - 1 (token 0 with the frontier
+        hidden); pairs already written or pending are skipped. Reporting past the frontier
+        leaves slots unreported: a gap, which is a caller bug.
+        """
+        ids = _as_ids(tokens)
+        count = ids.shape[0]
+        rows = hiddens.reshape(-1, hiddens.shape[-1])
+        if rows.shape[0] != count:
+            raise ValueError(f"{count} tokens but {rows.shape[0]} hidden rows")
+        if count == 0:
+            return
+        if position > self._frontier or position < 0:
+            raise ValueError(
+                f"pair gap: run at slot {position} but slots up to {self._frontier} reported"
+            )
+        end = position + count
+        if not self._discarded:
+            # Index in the run of the first token whose pair is neither written nor pending.
+            first = self._offset + self._pending + 1 - position
+            if first == 0 and self._frontier_hidden is None:
+                raise ValueError(f"pair gap: no target hidden for slot {position - 1}")
+            if first < count:
+                lookahead = ids[first:]
+                paired = rows[max(first - 1, 0) : count - 1]
+                if first == 0:
+                    paired = mx.concatenate([self._frontier_hidden[None], paired])
+                self._queue(lookahead, paired)
+        if end >= self._frontier:
+            self._frontier = end
+            self._frontier_hidden = rows[count - 1]
+        if self._pending >= self.flush_at:
+            self._flush(background=True)
+
+    def settle(self, next_token: int | mx.array) -> None:
+        """Complete the frontier pair with the token that follows the frontier, then flush."""
+        if not self._discarded:
+            self._settle(next_token, background=True)
+
+    def close(self) -> None:
+        """Flush what is pending. After ``settle(final token)`` the draft cache rests at the
+        target's offset."""
+        if not self._discarded:
+            self._flush(background=True)
+        self._held = None
+        self._frontier_hidden = None
+
+    def discard(self) -> None:
+        """Head failure: no more head calls in this request. Pending pairs are dropped and
+        speculative entries rewound; the draft cache keeps only the pairs flushed before,
+        so it rests below the target and must not be trusted as a restore point."""
+        self._discarded = True
+        self._pending_tokens.clear()
+        self._pending_hiddens.clear()
+        self._pending = 0
+        self._held = None
+        self._frontier_hidden = None
+        if self.cache.offset > self._offset:
+            self.cache.rewind(self._offset)
+
+    # -- drafting ---------------------------------------------------------------------------
+
+    def propose(self, current: int | mx.array, k: int, sampler: Sampler) -> Proposal | None:
+        """Draft ``k`` tokens after ``current`` (the emitted, not yet forwarded token).
+
+        None when the session cannot draft (nothing committed yet, discarded, k < 1): the
+        caller decodes plainly. Settling with ``current`` flushes the pending pairs; that
+        flush's last row is the first draft step. Step i feeds draft i-1 with the head's own
+        previous output, writing speculative draft KV entries above the committed offset.
+        """
+        if self._discarded or k < 1 or self._frontier_hidden is None:
+            return None
+        self._settle(current, background=False)
+        if self._held is None or self._held_slot != self._frontier - 1:
+            return None
+        if self.cache.offset > self._offset:
+            self.cache.rewind(self._offset)
+        y = self._held
+        drafts: list[mx.array] = []
+        dists: list[mx.array] = []
+        for step in range(k):
+            if step:
+                y = self.head(drafts[-1].reshape(1, 1), y, self.cache)
+            logits = self.head.draft_logits(y[0, -1:], self.unembed)
+            chain = mx.concatenate(drafts) if drafts else mx.zeros((0,), dtype=mx.int32)
+            q = sampler.distributions(logits, chain)
+            drafts.append(sampler.draw(q).reshape(1).astype(mx.int32))
+            dists.append(q)
+        return Proposal(tokens=mx.concatenate(drafts), probs=mx.concatenate(dists, axis=0))
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _settle(self, next_token: int | mx.array, background: bool) -> None:
+        if self._frontier_hidden is not None and self._offset + self._pending == self._frontier - 1:
+            self._queue(_as_ids(next_token), self._frontier_hidden[None])
+        self._flush(background)
+
+    def _queue(self, tokens: mx.array, hiddens: mx.array) -> None:
+        self._pending_tokens.append(tokens)
+        self._pending_hiddens.append(hiddens)
+        self._pending += tokens.shape[0]
+
+    def _flush(self, background: bool) -> None:
+        """One head forward over every pending pair at the committed offset."""
+        if not self._pending:
+            return
+        if self.cache.offset > self._offset:
+            self.cache.rewind(self._offset)  # drop speculative entries
+        elif self.cache.offset < self._offset:
+            raise RuntimeError(
+                f"draft cache at {self.cache.offset} fell below the session's {self._offset}"
+            )
+        tokens = mx.concatenate(self._pending_tokens)
+        hiddens = mx.concatenate(self._pending_hiddens)
+        count = self._pending
+        self._pending_tokens.clear()
+        self._pending_hiddens.clear()
+        self._pending = 0
+        y = self.head(tokens[None], hiddens[None], self.cache)
+        self._held = y[:, -1:, :]
+        self._held_slot = self._offset + count - 1
+        self._offset += count
+        if background:
+            # Materialise the draft KV now so a session that rarely drafts does not keep the
+            # target hiddens (and the graph behind them) alive until close.
+            mx.async_eval(self.cache.state)

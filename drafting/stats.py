@@ -1,0 +1,49 @@
+"""Per-request speculation counters, reported in the ``done`` frame.
+
+``accepted_per_depth`` is a histogram over rounds: entry ``a`` counts the verified rounds that
+accepted exactly ``a`` drafts (entry 0 = rounds whose first draft was rejected), so
+``sum(accepted_per_depth) == rounds`` and ``sum(a * n_a) == accepted``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0  # verified speculative rounds (at least one draft checked by the target)
+    parked: int = 0  # depth-0 rounds: target-only or plain decoding while parked
+    drafted: int = 0  # tokens the head proposed, counted when the head step returns
+    accepted: int = 0  # drafts the verification accepted (before emission cuts the run)
+    accepted_per_depth: list[int] = field(default_factory=list)
+    final_depth: int = 0  # the depth scheduled for the round after the last one
+
+    def record_drafted(self, count: int) -> None:
+        self.drafted += count
+
+    def record_round(self, accepted: int) -> None:
+        """One verified round that accepted ``accepted`` leading drafts."""
+        self.rounds += 1
+        self.accepted += accepted
+        if len(self.accepted_per_depth) <= accepted:
+            self.accepted_per_depth.extend([0] * (accepted + 1 - len(self.accepted_per_depth)))
+        self.accepted_per_depth[accepted] += 1
+
+    def record_parked(self) -> None:
+        self.parked += 1
+
+    @property
+    def acceptance(self) -> float:
+        """Fraction of proposed drafts that were accepted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict:
+        """Plain values with the ``done`` frame's field names."""
+        return {
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "accepted_per_depth": list(self.accepted_per_depth),
+            "final_depth": self.final_depth,
+        }

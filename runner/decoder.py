@@ -1,0 +1,227 @@
+"""Prefill in chunks and the pipelined plain decoder.
+
+The plain decoder keeps one forward in flight: the forward that feeds token n is dispatched
+(``mx.async_eval``) before token n is read on the host, so detokenizing, frame writing and
+Python overhead overlap the model. Token n's own successor is the next in-flight result.
+
+Ledgers: a token is *fed* when its forward is dispatched; its effects are *reported*
+(penalty history, draft session) only once it is known to stay. The caller decides what to
+do with the in-flight forward when generation ends (see :meth:`PlainDecoder.settle`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+# Called with (tokens [L] int32 array, hiddens [L, D], position of tokens[0]) for every run of
+# tokens whose state the target caches keep: the draft session's `committed`.
+CommitHook = Callable[[mx.array, mx.array, int], None]
+
+
+class Cancelled(Exception):
+    """Raised between prefill chunks when the request was cancelled."""
+
+
+def chunk_ends(start: int, end: int, chunk: int, points: Sequence[int] = ()) -> list[int]:
+    """Absolute offsets where prefill chunks of at most ``chunk`` tokens end, also ending at
+    every snapshot point in (start, end)."""
+    ends = set(range(start + chunk, end, chunk))
+    ends.update(p for p in points if start < p < end)
+    ends.add(end)
+    return sorted(ends)
+
+
+def prefill(
+    model,
+    caches: list,
+    tokens: Sequence[int],
+    position: int,
+    *,
+    chunk: int = 512,
+    points: Sequence[int] = (),
+    cancelled: Callable[[], bool] = lambda: False,
+    on_commit: CommitHook | None = None,
+    on_chunk: Callable[[int], None] | None = None,
+) -> int:
+    """Evaluate ``tokens`` (starting at cache offset ``position``) in chunks; return the new
+    offset. Cancellation is checked before each chunk; a cancelled prefill keeps the chunks it
+    finished (the caches are evaluated after each)."""
+    start = position
+    if not tokens:
+        return start
+    for end in chunk_ends(position, position + len(tokens), chunk, points):
+        if cancelled():
+            raise Cancelled(start)
+        ids = mx.array(tokens[start - position : end - position], dtype=mx.int32)
+        hidden = model.hidden(ids[None], caches)
+        mx.eval(hidden, [c.state for c in caches])
+        if on_commit is not None:
+            on_commit(ids, hidden[0], start)
+        if on_chunk is not None:
+            on_chunk(end)
+        start = end
+    return start
+
+
+@dataclass
+class Sampled:
+    """One sampled token, still lazy until :meth:`PlainDecoder.read`."""
+
+    token: mx.array  # int32 [1]
+    logprobs: tuple | None  # (chosen, top ids, top logprobs) lazy, when asked
+    fed_hidden: mx.array | None = None  # hidden row of the token whose forward produced this
+    fed_token: mx.array | None = None
+    fed_position: int = -1
+
+
+class PlainDecoder:
+    """One forward per token, always one in flight.
+
+    ``start(seed)`` feeds the seed (the last prompt token) and returns the in-flight sample for
+    the first generated token. ``advance(sampled)`` dispatches the forward that feeds
+    ``sampled`` and returns the next in-flight sample; the caller then reads ``sampled`` with
+    ``read``. A token's forward is reported to ``on_commit`` only through ``commit`` once the
+    caller knows the token stays in the caches.
+    """
+
+    def __init__(
+        self,
+        model,
+        caches: list,
+        sampler,
+        position: int,
+        *,
+        top_logprobs: int | None = None,
+        on_commit: CommitHook | None = None,
+    ) -> None:
+        self.model = model
+        self.caches = caches
+        self.sampler = sampler
+        self.position = position  # cache offset: the slot the next fed token occupies
+        self.top_logprobs = top_logprobs
+        self.on_commit = on_commit
+        self.forwards = 0
+
+    def _feed(self, token: mx.array, append: bool) -> Sampled:
+        token = token.reshape(1).astype(mx.int32)
+        if append:
+            self.sampler.append(token)
+        hidden = self.model.hidden(token[None], self.caches)
+        logits = self.model.unembed(hidden[:, -1])[0]
+        nxt = self.sampler.sample(logits).reshape(1)
+        lp = None
+        if self.top_logprobs is not None:
+            lp = self.sampler.logprobs(logits, nxt, self.top_logprobs)
+        sampled = Sampled(nxt, lp, hidden[0], token, self.position)
+        self.position += 1
+        self.forwards += 1
+        # Evaluate the caches with the token so no lazy graph accumulates across steps.
+        mx.async_eval(nxt, hidden, *(lp or ()), [c.state for c in self.caches])
+        return sampled
+
+    def start(self, seed: int) -> Sampled:
+        """Feed the decode seed (already in the penalty history as part of the prompt)."""
+        return self._feed(mx.array([seed], dtype=mx.int32), append=False)
+
+    def advance(self, sampled: Sampled) -> Sampled:
+        """Dispatch the forward feeding ``sampled`` (still lazy); return its successor."""
+        return self._feed(sampled.token, append=True)
+
+    def feed_forced(self, tokens: Sequence[int]) -> Sampled:
+        """Feed tokens the runner inserts itself (a forced ``</think>``); return the successor."""
+        ids = mx.array(list(tokens), dtype=mx.int32)
+        for t in tokens:
+            self.sampler.append(t)
+        hidden = self.model.hidden(ids[None], self.caches)
+        logits = self.model.unembed(hidden[:, -1])[0]
+        nxt = self.sampler.sample(logits).reshape(1)
+        lp = None
+        if self.top_logprobs is not None:
+            lp = self.sampler.logprobs(logits, nxt, self.top_logprobs)
+        sampled = Sampled(nxt, lp, hidden[0], ids, self.position)
+        self.position += len(tokens)
+        self.forwards += 1
+        mx.async_eval(nxt, hidden, *(lp or ()), [c.state for c in self.caches])
+        return sampled
+
+    @staticmethod
+    def read(sampled: Sampled) -> int:
+        return int(sampled.token.item())
+
+    def commit(self, successor: Sampled) -> None:
+        """Report the forward that produced ``successor`` (its fed tokens stay in the caches)."""
+        if self.on_commit is not None and successor.fed_hidden is not None:
+            self.on_commit(successor.fed_token, successor.fed_hidden, successor.fed_position)
+
+    def unfeed(self, successor: Sampled) -> None:
+        """Drop the tokens fed by the forward that produced ``successor`` from the caches
+        (e.g. an EOS that was dispatched before it was read). An offset move, no copy."""
+        n = int(successor.fed_token.shape[0])
+        self.position -= n
+        for c in self.caches:
+            c.rewind(c.offset - n)
+
+
+@dataclass
+class Outcome:
+    """How generation ended and what the caches hold beyond the prompt."""
+
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    fed: list[int] = field(default_factory=list)  # generated tokens the caches hold, in order
+    final: int | None = None  # the token after the last fed one (sampled, never fed)
+
+
+def decode_plain(
+    dec: PlainDecoder,
+    emitter,
+    seed: int,
+    *,
+    max_tokens: int,
+    context_length: int,
+    cancelled: Callable[[], bool],
+    logprob_entry: Callable[[Sampled], object] = lambda s: None,
+    on_first_token: Callable[[], None] = lambda: None,
+) -> Outcome:
+    """Pipelined plain decoding from ``seed`` (the last prompt token, not yet fed).
+
+    Each iteration dispatches the forward feeding the current token before reading it, unless
+    that token is certainly the last one (budget or context end), so no forward is wasted on
+    a token that will never be fed. The caches end holding exactly ``Outcome.fed`` after the
+    prompt: an EOS that was dispatched before it was read is rewound away.
+    """
+    fed: list[int] = []
+    cur = dec.start(seed)
+    dec.commit(cur)
+    first = True
+    while True:
+        if cancelled():
+            return Outcome("cancelled", fed, dec.read(cur))
+        last = (max_tokens and emitter.generated + 1 >= max_tokens) or (
+            dec.position + 1 >= context_length
+        )
+        nxt = None if last else dec.advance(cur)
+        token = dec.read(cur)
+        if first:
+            on_first_token()
+            first = False
+        step = emitter.push(token, logprob_entry(cur))
+        if not step.keep:
+            if nxt is not None:
+                dec.unfeed(nxt)
+            return Outcome(step.reason or "stop", fed, token)
+        if nxt is None:
+            return Outcome(step.reason or "length", fed, token)
+        fed.append(token)
+        dec.commit(nxt)
+        if step.finished:
+            return Outcome(step.reason or "stop", fed, dec.read(nxt))
+        if step.forced:
+            # The in-flight successor assumed no close marker; feed the marker instead.
+            cur = dec.feed_forced(step.forced)
+            fed.extend(step.forced)
+            dec.commit(cur)
+            continue
+        cur = nxt

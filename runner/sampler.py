@@ -1,0 +1,289 @@
+"""Per-request token sampler: penalties, filters, draws and the processed distributions.
+
+Everything stays on the MLX device as lazy arrays until the caller reads a token; nothing here
+loops over the vocabulary in Python or syncs with the host.
+
+Pipeline per row: penalties (over the last ``repeat_last_n`` tokens) -> top-k -> temperature ->
+top-p -> min-p -> renormalise -> draw. Edge values and ties, exactly:
+
+- penalties: repeat divides positive logits and multiplies negative ones (zero stays zero);
+  presence subtracts once per distinct token in the window; frequency subtracts once per
+  occurrence. ``repeat_penalty <= 0`` counts as 1 (off). The window starts with the request's
+  history (prompt) and slides over appended tokens.
+- top-k (``0 < top_k < vocab``): keeps exactly the k largest logits; among tokens tied at the
+  k-th value the lower ids win (a stable descending sort, cut at k). -0.0 ranks as 0.0.
+- temperature: divides the logits; ``temperature <= 0`` is greedy (below).
+- top-p (``0 < top_p < 1``): sorted by probability, a token is kept when the mass of the tokens
+  strictly before it is < top_p (the smallest prefix reaching top_p; the top token always
+  stays); tokens tied with the last kept probability are kept too. With top-k active only
+  the k kept tokens are sorted.
+- min-p (``min_p > 0``): drops tokens with probability < min_p * max probability; values >= 1
+  keep only the most probable token(s).
+- draw: inverse CDF with one uniform per row over the cumulative sum in token-id order; it
+  never returns a zero-probability token. ``sample`` walks only the kept top-k entries, which
+  gives the same partial sums as the dense row (adding exact zeros changes nothing).
+- greedy: the first (lowest id) argmax of the penalised logits; no randomness is consumed.
+- a row with no finite mass (all -inf, or NaN) draws token 0 rather than raising.
+
+RNG: one key stream per request (``mx.random.key(seed)``, or from ``os.urandom`` when
+unseeded). Each random call (``sample``, ``draw``, ``uniform``) splits off the next key in call
+order, so a seeded request is reproducible whatever ran before it; MLX's global RNG is never
+used. ``sample(row)`` returns exactly ``draw(distributions(row))`` for the same key state (a test
+pins it): speculative decoding relies on ``distributions`` being what plain sampling draws from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling options with Ollama's names and defaults."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.9
+    min_p: float = 0.0
+    repeat_penalty: float = 1.1
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def _as_tokens(token) -> mx.array:
+    """A python int, sequence or (lazy) array of token ids as a flat int32 array."""
+    if isinstance(token, mx.array):
+        return token.reshape(-1).astype(mx.int32)
+    if hasattr(token, "__iter__"):
+        return mx.array([int(t) for t in token], dtype=mx.int32).reshape(-1)
+    return mx.array([int(token)], dtype=mx.int32)
+
+
+def _rank_key(logits: mx.array) -> mx.array:
+    """An int64 key ordering logits by value, ties toward the lower id (for argpartition).
+
+    The float bits become an order-preserving int (negatives flipped), shifted above a
+    descending id so equal values rank by id. Adding 0.0 turns -0.0 into 0.0.
+    """
+    bits = mx.view(logits + 0.0, mx.int32)
+    ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
+    ids = mx.arange(logits.shape[-1], dtype=mx.int64)
+    return ordered * (1 << 32) + ((1 << 32) - 1 - ids)
+
+
+def inverse_cdf(probs: mx.array, u: mx.array) -> mx.array:
+    """Index of the first token whose cumulative mass exceeds ``u * total``, per row.
+
+    ``probs`` [R, N] (need not be normalised), ``u`` [R] in [0, 1). The second condition
+    catches ``u * total`` rounding up to the total; both only hold on a token with mass.
+    """
+    cdf = mx.cumsum(probs, axis=-1)
+    total = cdf[:, -1:]
+    hit = (cdf > u[:, None] * total) | (cdf >= total)
+    return mx.argmax(hit.astype(mx.uint8), axis=-1).astype(mx.int32)
+
+
+class Sampler:
+    """Samples the tokens of one request; see the module docstring for the exact rules."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        history: Sequence[int],
+        vocab_size: int,
+        context_length: int,
+    ) -> None:
+        self.params = params
+        self.vocab_size = int(vocab_size)
+        self.greedy = params.greedy
+        v = self.vocab_size
+        self._temperature = float(params.temperature)
+        self._top_k = int(params.top_k) if 0 < params.top_k < v else 0
+        self._top_p = float(params.top_p) if 0 < params.top_p < 1 else 0.0
+        self._min_p = min(float(params.min_p), 1.0) if params.min_p > 0 else 0.0
+        self._repeat = float(params.repeat_penalty) if params.repeat_penalty > 0 else 1.0
+        self._presence = float(params.presence_penalty)
+        self._frequency = float(params.frequency_penalty)
+        window = max(int(context_length), 1) if params.repeat_last_n < 0 else params.repeat_last_n
+        penalised = self._repeat != 1.0 or self._presence != 0.0 or self._frequency != 0.0
+        self._window = int(window) if window > 0 and penalised else 0
+        # The window is a fixed-length int32 array, oldest first; id == vocab_size pads the
+        # front while the history is shorter than the window (it counts into a dropped slot).
+        if self._window:
+            recent = [int(t) for t in list(history)[-self._window :]]
+            padded = [v] * (self._window - len(recent)) + recent
+            self._history = mx.array(padded, dtype=mx.int32)
+        else:
+            self._history = None
+        seed = params.seed
+        if seed is None or seed < 0:
+            seed = int.from_bytes(os.urandom(8), "little")
+        self._key = mx.random.key(int(seed) & _U64)
+
+    # -- the key stream -------------------------------------------------------------------
+
+    def _next_key(self) -> mx.array:
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def uniform(self, shape) -> mx.array:
+        """Uniforms in [0, 1) from the request's key stream (speculative acceptance)."""
+        return mx.random.uniform(
+            shape=tuple(shape) if not isinstance(shape, int) else (shape,), key=self._next_key()
+        )
+
+    # -- history --------------------------------------------------------------------------
+
+    def append(self, token) -> None:
+        """Extend the penalty history by one token or a 1-D run (ints or lazy arrays)."""
+        if self._window == 0:
+            return
+        joined = mx.concatenate([self._history, _as_tokens(token)])
+        self._history = joined[-self._window :]
+
+    def _windows(self, rows: int, chain) -> mx.array:
+        """[rows, W] penalty windows, rows aligned to the end of the chain.
+
+        With a chain of L tokens, row i sees history + chain[:L - rows + 1 + i]: verification
+        (L = rows - 1) gives row i the first i drafts, and a single draft step (rows = 1) sees
+        the whole chain drafted so far.
+        """
+        extra = _as_tokens(chain) if chain is not None else None
+        length = 0 if extra is None else extra.shape[0]
+        if length < rows - 1:
+            raise ValueError(f"chain has {length} tokens, {rows} rows need at least {rows - 1}")
+        if length == 0:
+            return self._history[None]
+        full = mx.concatenate([self._history, extra])
+        first = length - rows + 1
+        index = mx.arange(self._window)[None, :] + (first + mx.arange(rows))[:, None]
+        return full[index]
+
+    # -- the pipeline ---------------------------------------------------------------------
+
+    def _penalise(self, logits: mx.array, chain) -> mx.array:
+        """Apply the penalties by rewriting only the logits of tokens in each row's window."""
+        if self._window == 0:
+            return logits
+        rows, v = logits.shape
+        windows = self._windows(rows, chain)
+        # Flat positions in a [rows, v + 1] layout: column v of each row absorbs the padding.
+        flat = (windows + mx.arange(rows, dtype=mx.int32)[:, None] * (v + 1)).reshape(-1)
+        counts = mx.zeros((rows * (v + 1),), dtype=mx.float32).at[flat].add(1.0)
+        padded = mx.concatenate([logits, mx.zeros((rows, 1), dtype=logits.dtype)], axis=1)
+        padded = padded.reshape(-1)
+        old = padded[flat]
+        new = old
+        if self._repeat != 1.0:
+            new = mx.where(old > 0, old / self._repeat, old * self._repeat)
+        if self._presence != 0.0:
+            new = new - self._presence
+        if self._frequency != 0.0:
+            new = new - self._frequency * counts[flat]
+        # A token repeated in the window writes the same value at every copy.
+        padded[flat] = new
+        return padded.reshape(rows, v + 1)[:, :v]
+
+    def _filter(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        """Penalised logits [R, V] -> (renormalised probabilities [R, N], ids [R, N] or None).
+
+        With top-k the rows are sparse: N = k entries in ascending id order; otherwise the
+        rows are dense over the vocabulary (ids None).
+        """
+        v = logits.shape[-1]
+        ids = None
+        if self._top_k:
+            ranked = mx.argpartition(_rank_key(logits), kth=v - self._top_k, axis=-1)
+            ids = mx.sort(ranked[:, v - self._top_k :], axis=-1)
+            logits = mx.take_along_axis(logits, ids, axis=-1)
+        probs = mx.softmax(logits / self._temperature, axis=-1)
+        if self._top_p:
+            ordered = -mx.sort(-probs, axis=-1)
+            before = mx.cumsum(ordered, axis=-1, inclusive=False)
+            kept = (before < self._top_p).sum(axis=-1, keepdims=True)
+            floor = mx.take_along_axis(ordered, kept - 1, axis=-1)
+            probs = mx.where(probs >= floor, probs, 0.0)
+        if self._min_p:
+            floor = self._min_p * probs.max(axis=-1, keepdims=True)
+            probs = mx.where(probs >= floor, probs, 0.0)
+        return probs / probs.sum(axis=-1, keepdims=True), ids
+
+    def _dense(self, probs: mx.array, ids: mx.array | None) -> mx.array:
+        if ids is None:
+            return probs
+        zeros = mx.zeros((probs.shape[0], self.vocab_size), dtype=mx.float32)
+        return mx.put_along_axis(zeros, ids, probs, axis=-1)
+
+    @staticmethod
+    def _rows(logits: mx.array) -> mx.array:
+        return logits.reshape(-1, logits.shape[-1]).astype(mx.float32)
+
+    def _one_hot(self, index: mx.array) -> mx.array:
+        return (mx.arange(self.vocab_size)[None, :] == index[:, None]).astype(mx.float32)
+
+    # -- public draws ---------------------------------------------------------------------
+
+    def penalised(self, logits: mx.array, chain=None) -> mx.array:
+        """Raw logits [R, V] -> penalised logits [R, V] float32 (row i sees ``chain[:i]``)."""
+        return self._penalise(self._rows(logits), chain)
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """Raw logits [V] or [1, V] -> lazy int32 token (scalar or [1]); one key unless greedy."""
+        rows = self._rows(logits)
+        penalised = self._penalise(rows, None)
+        if self.greedy:
+            token = mx.argmax(penalised, axis=-1).astype(mx.int32)
+        else:
+            probs, ids = self._filter(penalised)
+            token = inverse_cdf(probs, self.uniform((rows.shape[0],)))
+            if ids is not None:
+                token = mx.take_along_axis(ids, token[:, None], axis=-1)[:, 0]
+        return token.reshape(logits.shape[:-1])
+
+    def distributions(self, logits: mx.array, chain=None) -> mx.array:
+        """Raw logits [R, V] -> processed probabilities [R, V] float32.
+
+        Row i is penalised as if ``chain[:i]`` had been appended to the history (``chain``:
+        ints or an int32 array, possibly lazy, of length >= R - 1). Greedy gives a one-hot row
+        at the penalised argmax.
+        """
+        rows = self._rows(logits)
+        penalised = self._penalise(rows, chain)
+        if self.greedy:
+            return self._one_hot(mx.argmax(penalised, axis=-1))
+        return self._dense(*self._filter(penalised))
+
+    def draw(self, probs: mx.array) -> mx.array:
+        """Probabilities [R, V] -> [R] int32 draws with one key (argmax and no key if greedy)."""
+        rows = probs.reshape(-1, probs.shape[-1])
+        if self.greedy:
+            return mx.argmax(rows, axis=-1).astype(mx.int32)
+        return inverse_cdf(rows, self.uniform((rows.shape[0],)))
+
+    def logprobs(self, logits: mx.array, token, top_n: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Log-softmax of the raw logits: (chosen logprob, top_n ids, top_n logprobs), lazy.
+
+        The top list is sorted by descending logprob; ``top_n`` is clamped to [0, vocab].
+        """
+        row = logits.reshape(-1).astype(mx.float32)
+        logp = row - mx.logsumexp(row)
+        chosen = mx.take(logp, _as_tokens(token)[0])
+        n = max(0, min(int(top_n), row.shape[0]))
+        if n == 0:
+            return chosen, mx.zeros((0,), dtype=mx.int32), mx.zeros((0,), dtype=mx.float32)
+        top = mx.argpartition(logp, kth=row.shape[0] - n)[row.shape[0] - n :]
+        values = logp[top]
+        order = mx.argsort(-values)
+        return chosen, top[order].astype(mx.int32), values[order]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine, idempotently: system OpenBLAS (Debian/Ubuntu), a venv
+# in .venv with the package and its test extras, and the embedded default model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+openblas_present() {
+  ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1
+}
+if [ "$(uname -s)" = "Linux" ] && ! openblas_present && command -v apt-get >/dev/null 2>&1; then
+  sudo=""
+  if [ "$(id -u)" != "0" ]; then sudo="sudo"; fi
+  echo "bootstrap: installing libopenblas0-pthread" >&2
+  $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 \
+    || { $sudo apt-get update -qq >/dev/null 2>&1 && $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1; } \
+    || echo "bootstrap: warning: could not install OpenBLAS; float32 matmuls will be slow" >&2
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv" >&2
+  "$PYTHON" -m venv .venv
+fi
+if ! .venv/bin/python -c "import runner, mlx, msgspec, tokenizers, pytest" >/dev/null 2>&1 \
+   || [ pyproject.toml -nt .venv/.installed ]; then
+  echo "bootstrap: installing the package with test extras" >&2
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install -q -e ".[test]"
+  touch .venv/.installed
+fi
+.venv/bin/python scripts/setup_default_model.py >/dev/null

@@ -1,0 +1,213 @@
+"""The depth controller (drafting/depth.py) on simulated rounds with an injected clock."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from drafting.depth import PROBE_FIRST, PROBE_MAX, DepthController, FixedDepth
+
+
+def flat(depth: int) -> float:
+    return 0.210 + 0.0026 * depth
+
+
+def steep(depth: int) -> float:
+    return 0.030 + 0.019 * depth
+
+
+class Sim:
+    """Rounds whose wall time is ``cost(depth)`` and whose drafts are accepted position by
+    position with probability ``rate`` (seeded)."""
+
+    def __init__(self, cost, rate, *, max_depth=8, seed=0):
+        self.now = 0.0
+        self.cost, self.rate = cost, rate
+        self.rng = np.random.default_rng(seed)
+        self.controller = DepthController(max_depth, clock=lambda: self.now)
+        self.session = self.controller.session()
+        self.depths: list[int] = []
+
+    def round(self, stall: float = 1.0) -> int:
+        depth = self.session.depth
+        self.depths.append(depth)
+        self.session.round_started(depth)
+        self.now += self.cost(depth) * stall
+        accepted = 0
+        while accepted < depth and self.rng.random() < self.rate:
+            accepted += 1
+        self.session.round_finished(depth, accepted)
+        return depth
+
+    def run(self, rounds: int) -> list[int]:
+        return [self.round() for _ in range(rounds)]
+
+
+def test_flat_cost_selects_deep():
+    sim = Sim(flat, 0.9)
+    sim.run(3000)
+    assert sim.controller.selected() >= 5
+    assert np.mean(np.array(sim.depths[-500:]) >= 5) > 0.9
+
+
+def test_steep_cost_selects_shallow():
+    sim = Sim(steep, 0.9)  # the same acceptance as the flat case: only the cost differs
+    sim.run(3000)
+    recent = np.array(sim.depths[-1000:])
+    assert np.mean(recent <= 4) > 0.95
+    assert np.mean(recent >= 1) > 0.8  # drafting still pays at depth 1-2
+
+
+def test_poor_acceptance_on_steep_cost_parks_at_a_measured_depth_zero():
+    sim = Sim(steep, 0.4)
+    sim.run(3000)
+    state = sim.controller.state()
+    assert sim.controller.selected() == 0
+    assert state["cost_ms"][0] == pytest.approx(30.0)  # depth 0 was timed for real
+    assert np.mean(np.array(sim.depths[-1000:]) == 0) > 0.95
+
+
+def test_a_three_times_stall_does_not_unpark():
+    sim = Sim(steep, 0.4)
+    sim.run(3000)
+    while sim.depths[-1] != 0 or sim.session.depth != 0:
+        sim.round()
+    before = sim.controller.cost(0)
+    sim.round(stall=3.0)  # its sample lands when the next round starts
+    sim.round()
+    assert sim.controller.cost(0) == pytest.approx(before * (1 + 0.3 * 0.25))
+    assert sim.controller.selected() == 0
+    assert sim.run(50).count(0) >= 45
+
+
+def test_probes_back_off_to_512_and_snap_back_when_drafting_pays():
+    sim = Sim(steep, 0.15, max_depth=4)
+    intervals = []
+    for _ in range(4000):
+        sim.round()
+        intervals.append(sim.controller.state()["probe_interval"])
+    assert sim.controller.selected() == 0
+    assert intervals[-1] == PROBE_MAX
+    seen = sorted(set(intervals))
+    assert seen == [PROBE_FIRST * 2**i for i in range(8)]  # 4, 8, ..., 512 in doublings
+    probes = [i for i, d in enumerate(sim.depths) if d == 1 and i > 100]
+    gaps = np.diff(probes)
+    assert gaps[-1] >= PROBE_MAX  # the last probes come one interval apart
+    sim.rate = 1.0  # drafting becomes worthwhile; only probes can notice
+    for _ in range(20 * PROBE_MAX):
+        sim.round()
+        if sim.controller.selected() > 0:
+            break
+    assert sim.controller.selected() >= 1
+    assert sim.controller.state()["probe_interval"] == PROBE_FIRST
+
+
+def test_acceptance_ewma_follows_drift():
+    controller = DepthController(max_depth=2)
+    for i in range(60):
+        controller.observe(1, 1 if i % 10 != 0 else 0)  # 90% accepted
+    assert controller.acceptance(1) == pytest.approx(0.9, abs=0.1)
+    for i in range(60):
+        controller.observe(1, 1 if i % 10 < 3 else 0)  # 30% accepted
+    assert controller.acceptance(1) == pytest.approx(0.3, abs=0.1)
+
+
+def test_positions_past_an_accepted_eos_are_unjudged():
+    controller = DepthController(max_depth=4)
+    controller.observe(2, 2)  # EOS accepted at position 2 of 4 drafts
+    assert controller.state()["samples"] == [1, 1, 0, 0]
+    controller.observe(4, 2)  # an ordinary rejection at position 3
+    assert controller.state()["samples"] == [2, 2, 1, 0]
+    for _ in range(20):
+        controller.observe(2, 2)
+    assert controller.state()["samples"] == [22, 22, 1, 0]
+    # position 3 stays untrusted, so it borrows position 2's rate, untouched by the EOS rounds
+    assert controller.acceptance(3) == controller.acceptance(2) == 1.0
+
+
+def test_untrusted_positions_borrow_the_deepest_trusted_rate():
+    controller = DepthController(max_depth=4)
+    assert controller.acceptance(3) == 1.0  # nothing trusted: optimistic
+    for i in range(10):
+        controller.observe(2, 2 if i % 2 else 1)  # position 1 always, position 2 half
+    assert controller.frontier() == 2 and controller.limit() == 3
+    assert controller.acceptance(4) == controller.acceptance(2) < 1.0
+    assert controller.expected_committed(2) == pytest.approx(
+        1 + controller.acceptance(1) * (1 + controller.acceptance(2))
+    )
+
+
+def test_cost_interpolates_between_sampled_depths_and_is_flat_beyond():
+    controller = DepthController(max_depth=8)
+    assert controller.cost(0) is None
+    controller.record_cost(1, 0.10)
+    controller.record_cost(5, 0.30)
+    assert controller.cost(3) == pytest.approx(0.20)
+    assert controller.cost(0) == pytest.approx(0.10)
+    assert controller.cost(8) == pytest.approx(0.30)
+
+
+def test_cost_samples_are_clamped_and_transitions_dropped():
+    now = [0.0]
+    controller = DepthController(max_depth=4, clock=lambda: now[0])
+    for depth, seconds in [(0, 1.0), (0, 1.0), (2, 5.0), (2, 2.0), (2, 2.0), (2, 0.5), (2, 0)]:
+        controller.round_started(depth)
+        now[0] += seconds
+    # depth 0: one sample (the first round had no predecessor); the first depth-2 round was a
+    # transition (dropped); then 2.0 sets, 2.0 keeps, 0.5 is clamped to 2.0 * 0.75
+    state = controller.state()
+    assert state["cost_ms"][0] == pytest.approx(1000.0)
+    assert state["cost_ms"][2] == pytest.approx(1000 * (2.0 + 0.3 * (1.5 - 2.0)))
+
+
+def test_state_persists_across_requests_and_the_gap_is_not_a_cost():
+    sim = Sim(flat, 0.9)
+    sim.run(400)
+    depth = sim.controller.scheduled
+    assert depth > 0
+    costs = dict(sim.controller.state()["cost_ms"])
+    sim.now += 1000.0  # prefill of the next request, idle time, ...
+    sim.session = sim.controller.session()
+    assert sim.session.depth == depth  # the next request starts where the last one stopped
+    sim.round()
+    sim.round()
+    after = sim.controller.state()["cost_ms"]
+    assert all(after[d] < 2 * costs[d] for d in costs)
+
+
+def test_speculative_false_pins_depth_zero_and_leaves_the_controller_alone():
+    sim = Sim(flat, 0.9)
+    sim.run(300)
+    before = sim.controller.state()
+    session = sim.controller.session(speculative=False)
+    assert not session.enabled and session.depth == 0
+    session.round_started(0)
+    sim.now += 5.0
+    session.round_started(0)
+    session.round_finished(3, 3)
+    assert sim.controller.state() == before
+
+
+def test_max_depth_bounds_the_choice():
+    sim = Sim(flat, 1.0, max_depth=3)
+    sim.run(1000)
+    assert max(sim.depths) <= 3
+    assert sim.controller.selected() == 3
+    assert not DepthController(max_depth=0).session().enabled
+
+
+def test_state_is_plain_json():
+    sim = Sim(steep, 0.7)
+    sim.run(200)
+    state = sim.controller.state()
+    assert set(state) >= {"depth", "cost_ms", "acceptance", "probe_interval"}
+    assert json.loads(json.dumps(state))["probe_interval"] == state["probe_interval"]
+
+
+def test_fixed_depth_is_constant():
+    fixed = FixedDepth(3)
+    fixed.round_finished(3, 0)
+    assert fixed.enabled and fixed.depth == 3
+    assert not FixedDepth(0).enabled

@@ -1,0 +1,156 @@
+"""MTPHead numerics against a float64 numpy reference, the KV cache, the draft vocabulary."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from cache.kv import KVCache
+from drafting.head import HeadConfig, MTPHead
+from runner.loader import load_model
+from runner.models.llama import DecoderLayer
+
+
+def random_head(loaded, seed: int = 0, **config) -> MTPHead:
+    """A head of the target's family with seeded random weights (norm gains jittered so a
+    skipped or shifted norm shows up)."""
+    args = loaded.model.args
+    mx.random.seed(seed)
+    head = MTPHead(
+        HeadConfig(args.hidden_size, args.rms_norm_eps, **config),
+        DecoderLayer(args),
+        loaded.model.embed,
+        loaded.model.output_weight,
+    )
+    params = dict(tree_flatten(head.parameters()))
+    for name, value in params.items():
+        if "norm" in name:
+            params[name] = 1.0 + 0.1 * mx.random.normal(value.shape)
+        else:
+            params[name] = 3.0 * value  # larger than the default init: sharper drafts
+    head.load_weights(list(params.items()), strict=True)
+    mx.eval(head.parameters())
+    return head
+
+
+# -- a float64 numpy reference of the head ------------------------------------------------
+
+
+def np_rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def np_rope(x, positions, base):
+    """Rotate-half RoPE (the Hugging Face layout) over ``x`` ``[heads, L, d]``."""
+    d = x.shape[-1]
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    angle = positions[:, None] * inv[None, :]
+    cos, sin = np.cos(angle), np.sin(angle)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def np_block(x, p, args, positions):
+    """One Llama decoder layer over ``x`` ``[L, D]`` (causal, no cached prefix)."""
+    eps, nh, nkv, hd = (
+        args.rms_norm_eps,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        args.head_dim,
+    )
+    h = np_rms(x, p["input_layernorm.weight"], eps)
+    length = x.shape[0]
+    q = (h @ p["self_attn.q_proj.weight"].T).reshape(length, nh, hd).transpose(1, 0, 2)
+    k = (h @ p["self_attn.k_proj.weight"].T).reshape(length, nkv, hd).transpose(1, 0, 2)
+    v = (h @ p["self_attn.v_proj.weight"].T).reshape(length, nkv, hd).transpose(1, 0, 2)
+    q, k = np_rope(q, positions, args.rope_theta), np_rope(k, positions, args.rope_theta)
+    k, v = np.repeat(k, nh // nkv, axis=0), np.repeat(v, nh // nkv, axis=0)
+    scores = q @ k.transpose(0, 2, 1) * hd**-0.5
+    scores = scores + np.triu(np.full((length, length), -np.inf), 1)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    attn = (weights @ v).transpose(1, 0, 2).reshape(length, nh * hd)
+    x = x + attn @ p["self_attn.o_proj.weight"].T
+    h = np_rms(x, p["post_attention_layernorm.weight"], eps)
+    gate, up = h @ p["mlp.gate_proj.weight"].T, h @ p["mlp.up_proj.weight"].T
+    return x + (gate / (1 + np.exp(-gate)) * up) @ p["mlp.down_proj.weight"].T
+
+
+def np_head_logits(head, loaded, tokens, hiddens):
+    """logits = unembed(norm(block(fc(concat(norm_e(embed(t)), norm_h(h)))))) in float64."""
+    p = {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(head.parameters())}
+    args, eps = loaded.model.args, loaded.model.args.rms_norm_eps
+    table = np.array(loaded.model.output_weight(), dtype=np.float64)  # tied: embedding = head
+    e = np_rms(table[tokens], p["pre_fc_norm_embedding.weight"], eps)
+    h = np_rms(np.asarray(hiddens, dtype=np.float64), p["pre_fc_norm_hidden.weight"], eps)
+    x = np.concatenate([h, e] if head.config.hidden_first else [e, h], axis=-1)
+    x = x @ p["fc.weight"].T
+    block = {k[len("layers.0.") :]: v for k, v in p.items() if k.startswith("layers.0.")}
+    x = np_block(x, block, args, np.arange(len(tokens), dtype=np.float64))
+    return np_rms(x, p["norm.weight"], eps) @ table.T
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoint):
+    return load_model(tiny_checkpoint, pack=False)
+
+
+@pytest.mark.parametrize("hidden_first", [False, True], ids=["embed-first", "hidden-first"])
+def test_head_logits_match_float64_reference(target, hidden_first):
+    head = random_head(target, seed=3, hidden_first=hidden_first)
+    tokens = [5, 40, 17, 99, 3]
+    mx.random.seed(11)
+    hiddens = mx.random.normal((len(tokens), target.model.args.hidden_size))
+    y = head(mx.array([tokens]), hiddens[None], KVCache())
+    got = np.array(head.draft_logits(y, target.model.unembed)[0])
+    want = np_head_logits(head, target, tokens, np.array(hiddens))
+    assert want.std() > 0.5  # the check has something to compare
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_pair_by_pair_through_the_cache_equals_one_batched_forward(target):
+    head = random_head(target, seed=4)
+    tokens = mx.array([[8, 2, 61, 33, 7, 150]])
+    mx.random.seed(12)
+    hiddens = mx.random.normal((1, 6, target.model.args.hidden_size))
+    batched = head(tokens, hiddens, KVCache())
+    cache = KVCache()
+    rows = [head(tokens[:, i : i + 1], hiddens[:, i : i + 1], cache) for i in range(6)]
+    assert cache.offset == 6
+    np.testing.assert_allclose(
+        np.array(mx.concatenate(rows, axis=1)), np.array(batched), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_embedding_and_hidden_order_matters(target):
+    # The two concat orders differ unless fc's halves are swapped with them.
+    a = random_head(target, seed=5)
+    b = random_head(target, seed=5, hidden_first=True)
+    d = target.model.args.hidden_size
+    tokens, hidden = mx.array([[12, 13]]), mx.random.normal((1, 2, d))
+    ya, yb = a(tokens, hidden, KVCache()), b(tokens, hidden, KVCache())
+    assert not np.allclose(np.array(ya), np.array(yb), atol=1e-3)
+    w = b.fc.weight
+    b.fc.weight = mx.concatenate([w[:, d:], w[:, :d]], axis=1)
+    yb = b(tokens, hidden, KVCache())
+    np.testing.assert_allclose(np.array(ya), np.array(yb), atol=1e-5, rtol=1e-5)
+
+
+def test_draft_vocabulary_scatters_into_a_full_row(target):
+    head = random_head(target, seed=6)
+    vocab = target.model.args.vocab_size
+    y = head(mx.array([[4, 9]]), mx.random.normal((1, 2, target.model.args.hidden_size)), KVCache())
+    full = np.array(head.draft_logits(y, target.model.unembed))
+    ids = [3, 250, 17, 0, vocab - 1]
+    head.set_draft_vocab(ids)
+    sub = np.array(head.logits(y, target.model.unembed))
+    assert sub.shape == (1, 2, len(ids))
+    scattered = np.array(head.draft_logits(y, target.model.unembed))
+    assert scattered.shape == (1, 2, vocab)
+    np.testing.assert_allclose(scattered[..., ids], full[..., ids], atol=1e-5, rtol=1e-5)
+    others = np.setdiff1d(np.arange(vocab), ids)
+    assert np.all(np.isneginf(scattered[..., others]))
+    head.set_draft_vocab(None)
+    np.testing.assert_allclose(np.array(head.draft_logits(y, target.model.unembed)), full)
