@@ -172,6 +172,7 @@ class Outcome:
     reason: str  # "stop" | "length" | "cancelled" | "error"
     fed: list[int] = field(default_factory=list)  # generated tokens the caches hold, in order
     final: int | None = None  # the token after the last fed one (sampled, never fed)
+    error: str | None = None  # why generation failed, when reason == "error"
 
 
 def decode_plain(

@@ -18,6 +18,10 @@ import mlx.core as mx
 
 from cache.kv import KVCache
 from cache.session import CacheDesyncError, PrefixCache
+from drafting.depth import DepthController, FixedDepth
+from drafting.rounds import RoundDriver
+from drafting.session import DraftSession
+from drafting.stats import SpecStats
 from protocol import frames as pf
 from runner import blas
 from runner.decoder import Cancelled, Outcome, PlainDecoder, decode_plain, prefill
@@ -25,6 +29,7 @@ from runner.draft_loader import load_draft_head
 from runner.emit import Emitter
 from runner.loader import LoadedModel, load_model
 from runner.sampler import Sampler, SamplingParams
+from runner.speculative import MlxRoundOps, decode_speculative, guarded
 
 log = logging.getLogger("mtp_runner.engine")
 
@@ -52,6 +57,7 @@ class EngineOptions:
     draft_path: str | None = None  # an MTP head sidecar directory
     use_draft: bool = True
     max_draft: int = 8
+    draft_depth: int | None = None  # a fixed depth (benchmarks, tests); None = adaptive
     cache_bytes: int | None = None  # None: default_cache_bytes()
     prefix_cache: bool = True
     prefill_chunk: int = 512
@@ -126,8 +132,8 @@ class Engine:
             mtp_detail=mtp_detail,
             blas=blas.blas_in_use(),
         )
+        self.depth = DepthController(max_depth=options.max_draft)
         self.active: str | None = None
-        self._last_depth = 0
 
     # ----------------------------------------------------------------- set-up helpers
     def _make_prefix_cache(self) -> PrefixCache:
@@ -151,8 +157,8 @@ class Engine:
             "cache_entries": self.prefix.entries,
             "cache_bytes": self.prefix.nbytes,
             "memory_bytes": int(mx.get_active_memory()),
-            "speculation_depth": self._last_depth,
-            "speculation": {},
+            "speculation_depth": self.depth.scheduled if self.head is not None else 0,
+            "speculation": self.depth.state() if self.head is not None else {},
         }
 
     def prepare(self, request) -> Prepared:
@@ -218,9 +224,12 @@ class Engine:
         t0 = time.perf_counter_ns()
         session = self._begin(req.prompt)
         counts = {"prompt_cached": session.cached, "prefill_end": None, "generated": 0}
+        stats = SpecStats()
         outcome = Outcome("error")
         try:
-            outcome = self._generate(req, session, emit, cancelled, counts)
+            outcome = self._generate(req, session, emit, cancelled, counts, stats)
+            if outcome.error is not None:
+                emit(pf.Error(id=req.id, code="internal", message=outcome.error))
         except Exception as exc:  # one request's failure never takes the runner down
             log.exception("generation failed for %s", req.id)
             emit(pf.Error(id=req.id, code="internal", message=f"{type(exc).__name__}: {exc}"))
@@ -242,7 +251,7 @@ class Engine:
                 prompt_eval_ns=t_prefill - t0,
                 eval_tokens=counts["generated"],
                 eval_ns=t_end - t_prefill,
-                speculation=pf.Speculation(),
+                speculation=pf.Speculation(**stats.as_dict()),
             )
         )
 
@@ -270,49 +279,82 @@ class Engine:
         for c in self.all_caches:
             c.reset()
 
-    def _generate(self, req: Prepared, session, emit: Emit, cancelled, counts) -> Outcome:
+    def _generate(
+        self, req: Prepared, session, emit: Emit, cancelled, counts, stats: SpecStats
+    ) -> Outcome:
         remaining = session.remaining
-        position = session.cached
+        draft = None
+        if self.head is not None:
+            draft = DraftSession(self.head, self.draft_cache, self.model.unembed)
+        on_commit = guarded(draft, "committed")
         try:
             position = prefill(
-                self.model, self.caches, remaining[:-1], position,
+                self.model, self.caches, remaining[:-1], session.cached,
                 chunk=self.options.prefill_chunk, points=session.snapshot_points(),
-                cancelled=cancelled, on_chunk=session.reached,
+                cancelled=cancelled, on_commit=on_commit, on_chunk=session.reached,
             )  # fmt: skip
         except Cancelled:
-            offset = self.caches[0].offset
-            return Outcome("cancelled", final=req.prompt[offset])
+            # Keep what prefill finished; level the draft cache with the next prompt token.
+            outcome = Outcome("cancelled", final=req.prompt[self.caches[0].offset])
+            self._close_draft(draft, outcome)
+            return outcome
         sampler = Sampler(
             req.params,
             history=req.prompt,
             vocab_size=self.info.vocab_size,
             context_length=self.info.context_length,
         )
-        tok = self.tokenizer
 
         def send(content: str, ids: list[int], logprobs: list | None) -> None:
             emit(pf.Token(id=req.id, content=content, tokens=list(ids), logprobs=logprobs))
 
         emitter = Emitter(
-            tok, stop=req.stop, max_tokens=req.max_tokens, think_budget=req.think_budget,
-            send=send,
+            self.tokenizer, stop=req.stop, max_tokens=req.max_tokens,
+            think_budget=req.think_budget, send=send,
         )  # fmt: skip
         decoder = PlainDecoder(
             self.model, self.caches, sampler, position,
-            top_logprobs=req.top_logprobs if req.logprobs else None,
+            top_logprobs=req.top_logprobs if req.logprobs else None, on_commit=on_commit,
         )  # fmt: skip
 
         def first_token() -> None:
             counts["prefill_end"] = time.perf_counter_ns()
 
-        outcome = decode_plain(
-            decoder, emitter, remaining[-1], max_tokens=req.max_tokens,
-            context_length=self.info.context_length, cancelled=cancelled,
-            logprob_entry=self._logprob_entry, on_first_token=first_token,
+        common = dict(
+            max_tokens=req.max_tokens, context_length=self.info.context_length,
+            cancelled=cancelled, logprob_entry=self._logprob_entry, on_first_token=first_token,
         )  # fmt: skip
+        try:
+            if draft is None:
+                outcome = decode_plain(decoder, emitter, remaining[-1], **common)
+            else:
+                # Logprobs are per plain step; such requests park for good but keep the
+                # draft KV current.
+                speculate = req.speculative and not req.logprobs
+                if self.options.draft_depth is not None:
+                    depth = FixedDepth(self.options.draft_depth if speculate else 0)
+                else:
+                    depth = self.depth.session(speculative=speculate)
+                ops = MlxRoundOps(self.model, self.caches, draft, sampler)
+                driver = RoundDriver(
+                    ops, emitter.push, cancelled, depth=depth, budget=req.max_tokens, stats=stats
+                )
+                outcome = decode_speculative(decoder, driver, emitter, remaining[-1], **common)
+        finally:
+            counts["generated"] = emitter.generated
         emitter.finish()
-        counts["generated"] = emitter.generated
+        self._close_draft(draft, outcome)
         return outcome
+
+    @staticmethod
+    def _close_draft(draft: DraftSession | None, outcome: Outcome) -> None:
+        """Complete the last pair with the token after the last fed one and flush, so the
+        draft cache rests level with the target."""
+        if draft is None:
+            return
+        if outcome.final is not None:
+            guarded(draft, "settle")(outcome.final)
+        guarded(draft, "close")()
 
     def _logprob_entry(self, sampled) -> object | None:
         if sampled.logprobs is None:

@@ -28,10 +28,10 @@ CONFIGS = {
 
 
 def worker(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+
     import runner
     from runner.loader import load_model
-
-    import mlx.core as mx
 
     loaded = load_model(args.model, keep_quantized=args.keep_quantized, pack=not args.no_pack)
     model = loaded.model
@@ -107,7 +107,9 @@ def main() -> int:
             "runs": runs,
         }
         r = results[name]
-        print(f"{name:40s} prefill {r['prefill_tps']:8.1f} tok/s   decode {r['decode_tps']:6.2f} tok/s")
+        print(
+            f"{name:40s} prefill {r['prefill_tps']:8.1f} tok/s  decode {r['decode_tps']:6.2f} tok/s"
+        )
 
     print()
     print(f"| configuration | prefill {args.prefill} tok/s | decode {args.decode} tok/s |")

@@ -1,0 +1,81 @@
+// A Node host for mtp-runner, with no dependencies: spawn the runner, write one JSON request
+// per line to its stdin, read one JSON frame per line from its stdout.
+//
+//   node examples/host.mjs --model path/to/model.gguf --prompt "Why is the sky blue?"
+//
+// Flags: --model PATH, --prompt TEXT, --num-predict N, --temperature T, --python EXE
+// (default: $PYTHON or python3). Anything after `--` goes to the runner unchanged.
+
+import { spawn } from "node:child_process";
+import { createInterface } from "node:readline";
+
+function parseArgs(argv) {
+  const args = { prompt: "What is the capital of France? Answer in one sentence.", numPredict: 256 };
+  const dash = argv.indexOf("--");
+  args.runnerArgs = dash >= 0 ? argv.slice(dash + 1) : [];
+  const own = dash >= 0 ? argv.slice(0, dash) : argv;
+  for (let i = 0; i < own.length; i += 2) {
+    const [flag, value] = [own[i], own[i + 1]];
+    if (value === undefined) throw new Error(`${flag} needs a value`);
+    if (flag === "--model") args.model = value;
+    else if (flag === "--prompt") args.prompt = value;
+    else if (flag === "--num-predict") args.numPredict = Number(value);
+    else if (flag === "--temperature") args.temperature = Number(value);
+    else if (flag === "--python") args.python = value;
+    else throw new Error(`unknown flag ${flag}`);
+  }
+  return args;
+}
+
+const chatml = (question) =>
+  `<|im_start|>user\n${question}<|im_end|>\n<|im_start|>assistant\n`;
+
+async function main() {
+  const args = parseArgs(process.argv.slice(2));
+  const python = args.python ?? process.env.PYTHON ?? "python3";
+  const runnerArgs = ["-m", "runner", "--log-level", "warning", ...args.runnerArgs];
+  if (args.model) runnerArgs.push("--model", args.model);
+
+  // Logs (stderr) pass straight through; stdout carries nothing but frames.
+  const child = spawn(python, runnerArgs, { stdio: ["pipe", "pipe", "inherit"] });
+  const exited = new Promise((resolve) => child.on("exit", (code) => resolve(code ?? 1)));
+  const send = (request) => child.stdin.write(JSON.stringify(request) + "\n");
+
+  const options = { num_predict: args.numPredict };
+  if (args.temperature !== undefined) options.temperature = args.temperature;
+
+  let failed = false;
+  for await (const line of createInterface({ input: child.stdout })) {
+    const frame = JSON.parse(line);
+    if (frame.type === "progress") {
+      process.stderr.write(`loading: ${frame.stage} ${frame.done}/${frame.total}\n`);
+    } else if (frame.type === "ready") {
+      process.stderr.write(`model ${frame.model} ready (MTP: ${frame.mtp_detail})\n`);
+      send({ type: "completion", id: "host-1", prompt: chatml(args.prompt), options });
+    } else if (frame.type === "token" && frame.id === "host-1") {
+      process.stdout.write(frame.content);
+    } else if (frame.type === "error") {
+      process.stderr.write(`\n[error ${frame.code}] ${frame.message}\n`);
+      failed = true; // a load failure (id null) also ends the runner, and with it this loop
+    } else if (frame.type === "done" && frame.id === "host-1") {
+      const seconds = frame.eval_ns / 1e9;
+      const rate = seconds > 0 ? frame.eval_tokens / seconds : 0;
+      const spec = frame.speculation;
+      process.stdout.write(
+        `\n--- ${frame.done_reason}: ${frame.eval_tokens} tokens in ${seconds.toFixed(2)} s ` +
+          `(${rate.toFixed(1)} tokens/s)\n` +
+          `prompt: ${frame.prompt_tokens} tokens, ${frame.prompt_cached_tokens} from the prefix cache\n` +
+          `speculation: ${spec.rounds} rounds, ${spec.accepted}/${spec.drafted} drafts accepted\n`,
+      );
+      failed ||= frame.done_reason === "error";
+      child.stdin.end(); // end of input: the runner finishes and exits 0
+    }
+  }
+  const code = await exited;
+  process.exitCode = failed || code !== 0 ? 1 : 0;
+}
+
+main().catch((err) => {
+  process.stderr.write(`${err.stack ?? err}\n`);
+  process.exitCode = 1;
+});

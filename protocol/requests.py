@@ -1,0 +1,97 @@
+"""Requests, host -> runner: one JSON object per line, tagged by its `type` field.
+
+Unknown fields are ignored at every level (a host may send a whole Ollama options object);
+known fields are checked for type and range, and a failure names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+
+from protocol.codes import MAX_ID_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+
+INT32_MAX = 2**31 - 1
+
+# JSON numbers that overflow a double are rejected by msgspec ("Number out of range") and
+# NaN/Infinity are not JSON, so every float that gets through is finite.
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
+StopString = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class Options(msgspec.Struct, omit_defaults=True):
+    """Sampling and budget options under Ollama's names; None means the engine's default."""
+
+    temperature: NonNegative | None = None
+    top_k: Count | None = None
+    top_p: Fraction | None = None
+    min_p: Fraction | None = None
+    # Negative seeds mean "unseeded", as in Ollama (whose default seed is -1): normalised to None.
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    num_predict: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] | None = None
+    stop: Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    repeat_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    repeat_last_n: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and self.seed < 0:
+            self.seed = None
+
+
+class Completion(msgspec.Struct, tag="completion", tag_field="type"):
+    """Generate from `prompt` (already templated text) or `tokens`: exactly one of the two."""
+
+    id: RequestId
+    prompt: str | None = None
+    tokens: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
+    options: Options | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    speculative: bool = True
+    think_budget: Count | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.tokens is None):
+            raise ValueError("prompt, tokens: give exactly one of the two")
+        if self.options is None:
+            self.options = Options()
+
+
+class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
+    """Cancel a queued or running completion by its id."""
+
+    id: RequestId
+
+
+class Tokenize(msgspec.Struct, tag="tokenize", tag_field="type"):
+    id: RequestId
+    text: str
+
+
+class Detokenize(msgspec.Struct, tag="detokenize", tag_field="type"):
+    id: RequestId
+    tokens: list[TokenId]
+
+
+class Status(msgspec.Struct, tag="status", tag_field="type"):
+    id: RequestId
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", tag_field="type"):
+    """Finish what is queued, then exit 0 (the same as closing stdin)."""
+
+    id: RequestId | None = None
+
+
+Request = Union[Completion, Cancel, Tokenize, Detokenize, Status, Shutdown]  # noqa: UP007
+REQUEST_TYPES: dict[str, type] = {
+    cls.__struct_config__.tag: cls
+    for cls in (Completion, Cancel, Tokenize, Detokenize, Status, Shutdown)
+}

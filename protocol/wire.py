@@ -1,0 +1,109 @@
+"""One decoder for a request line and one encoder for frames.
+
+The fast path decodes a line straight into the tagged request union. Only when that fails
+does a second, cheap pass read `type` and `id` to classify the failure (bad_json,
+unknown_type or bad_request) and to address the error frame to the request when possible.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from protocol.codes import BAD_JSON, BAD_REQUEST, UNKNOWN_TYPE
+from protocol.frames import Error, Frame
+from protocol.requests import REQUEST_TYPES, Request
+
+
+class ProtocolError(Exception):
+    """A request line that cannot be served; becomes exactly one `error` frame."""
+
+    def __init__(self, code: str, message: str, id: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.id = id
+
+    def frame(self) -> Error:
+        return Error(self.id, self.code, self.message)
+
+
+class _Envelope(msgspec.Struct):
+    # Any-typed so that a wrong type here is still read; every other field is skipped unparsed.
+    type: Any = None
+    id: Any = None
+
+
+_REQUEST_DECODER = msgspec.json.Decoder(Request)
+_ENVELOPE_DECODER = msgspec.json.Decoder(_Envelope)
+_FRAME_DECODER = msgspec.json.Decoder(Frame)
+_ENCODER = msgspec.json.Encoder()
+_AT_PATH = re.compile(r"^(?P<what>.*?) - at `\$\.?(?P<path>[^`]*)`$", re.S)
+_KNOWN_TYPES = ", ".join(sorted(REQUEST_TYPES))
+
+
+def decode_request(line: bytes) -> Request:
+    """Decode one request line (without or with its trailing newline).
+
+    Raises ProtocolError with code bad_json, unknown_type or bad_request.
+    """
+    if not line.isascii():
+        # msgspec does not check UTF-8 inside fields it skips; check the whole line once.
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ProtocolError(BAD_JSON, f"invalid UTF-8 at byte {exc.start}") from None
+    try:
+        return _REQUEST_DECODER.decode(line)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise _classify(line, exc) from None
+
+
+def _classify(line: bytes, exc: Exception) -> ProtocolError:
+    if not line.strip():
+        return ProtocolError(BAD_JSON, "empty line")
+    try:
+        envelope = _ENVELOPE_DECODER.decode(line)
+    except msgspec.ValidationError as env_exc:  # a subclass of DecodeError: test it first
+        return ProtocolError(UNKNOWN_TYPE, f"a request must be a JSON object: {env_exc}")
+    except msgspec.DecodeError as env_exc:
+        return ProtocolError(BAD_JSON, str(env_exc))
+    except RecursionError:
+        return ProtocolError(BAD_JSON, "JSON nested too deeply")
+    request_id = envelope.id if isinstance(envelope.id, str) and envelope.id else None
+    if envelope.type is None:
+        return ProtocolError(UNKNOWN_TYPE, "missing field `type`", request_id)
+    if not isinstance(envelope.type, str) or envelope.type not in REQUEST_TYPES:
+        return ProtocolError(
+            UNKNOWN_TYPE,
+            f"unknown request type {envelope.type!r} (known: {_KNOWN_TYPES})",
+            request_id,
+        )
+    if isinstance(exc, msgspec.ValidationError):
+        return ProtocolError(BAD_REQUEST, _name_field(str(exc)), request_id)
+    if isinstance(exc, RecursionError):
+        return ProtocolError(BAD_JSON, "JSON nested too deeply", request_id)
+    return ProtocolError(BAD_JSON, str(exc), request_id)
+
+
+def _name_field(message: str) -> str:
+    """'Expected `float` >= 0.0 - at `$.options.top_p`' -> 'options.top_p: expected ...'."""
+    match = _AT_PATH.match(message)
+    if not match:
+        return message
+    what, path = match["what"], match["path"]
+    if what.startswith("Expected"):
+        what = "e" + what[1:]
+    return f"{path}: {what}" if path else what
+
+
+def encode_frame(frame: Frame) -> bytes:
+    """One frame as one line: compact JSON ending in b"\\n"."""
+    return _ENCODER.encode(frame) + b"\n"
+
+
+def decode_frame(line: bytes | str) -> Frame:
+    """Parse a frame line strictly against the frame types (for hosts and tests)."""
+    return _FRAME_DECODER.decode(line)

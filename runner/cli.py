@@ -1,0 +1,173 @@
+"""`mtp-runner` / `python -m runner`: parse arguments, claim stdout for frames, serve.
+
+Stdout carries protocol frames only: the real stdout descriptor is kept for the frame writer
+and descriptor 1 is pointed at stderr, so stray prints (ours or a library's, Python or C)
+land in the log instead of corrupting the stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from typing import BinaryIO
+
+import protocol
+from runner import __version__
+
+log = logging.getLogger("mtp_runner.cli")
+
+_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.I)
+
+
+def parse_bytes(text: str) -> int:
+    """'512M' -> 536870912; accepts K/M/G/T with optional 'B'/'iB' (binary units) or plain bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512M or 2G)")
+    return int(float(match[1]) * _SUFFIXES[match[2].lower()])
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0: {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mtp-runner",
+        description="Serve a language model over line-delimited JSON on stdin/stdout "
+        "(docs/PROTOCOL.md). Logs go to stderr.",
+    )
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="HF directory or GGUF file "
+        "(default: the embedded SmolLM2-135M-Instruct, downloaded on first use)",
+    )
+    p.add_argument("--draft", metavar="PATH", help="MTP draft head sidecar directory")
+    p.add_argument("--no-draft", action="store_true", help="never speculate")
+    p.add_argument(
+        "--max-draft",
+        type=non_negative_int,
+        default=8,
+        metavar="N",
+        help="deepest speculation depth (default 8)",
+    )
+    p.add_argument(
+        "--cache-bytes",
+        type=parse_bytes,
+        default=None,
+        metavar="N",
+        help="prefix cache budget, e.g. 512M or 2G "
+        "(default 2G, at most a quarter of physical memory)",
+    )
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    p.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=512,
+        metavar="N",
+        help="prompt tokens per prefill forward (default 512)",
+    )
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    p.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        default=None,
+        help="run quantized weights as they are instead of dequantizing",
+    )
+    p.add_argument("--no-pack", action="store_true", help="do not pack projection weights")
+    p.add_argument(
+        "--queue-limit",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="completions that may wait; more are refused (default 64)",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
+    )
+    version = f"mtp-runner {__version__} (protocol {protocol.PROTOCOL_VERSION})"
+    p.add_argument("--version", action="version", version=version)
+    # Hidden test hooks: a model-free engine (protocol tests, benchmark) and fault injection.
+    p.add_argument("--noop-model", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--noop-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--fault-id", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--max-line-bytes",
+        type=positive_int,
+        default=protocol.MAX_LINE_BYTES,
+        help=argparse.SUPPRESS,
+    )
+    return p
+
+
+def engine_factory(args: argparse.Namespace):
+    """A callable (progress) -> engine, run on the inference thread."""
+    if args.noop_model:
+        from runner.noop_engine import NoopEngine
+
+        return lambda progress: NoopEngine(delay_s=args.noop_delay_ms / 1000)
+
+    def load(progress):
+        from runner.engine import Engine, EngineOptions
+
+        options = EngineOptions(
+            model_path=args.model,
+            draft_path=args.draft,
+            use_draft=not args.no_draft,
+            max_draft=args.max_draft,
+            cache_bytes=args.cache_bytes,
+            prefix_cache=not args.no_prefix_cache,
+            prefill_chunk=args.prefill_chunk,
+            dtype=args.dtype,
+            keep_quantized=args.keep_quantized,
+            pack=False if args.no_pack else None,
+        )
+        return Engine(options, progress=progress)
+
+    return load
+
+
+def claim_stdout() -> BinaryIO:
+    """Keep the real stdout for frames; send everything else written to fd 1 to stderr."""
+    sys.stdout.flush()
+    frames_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(frames_fd, "wb")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from runner.server import FrameWriter, Server
+
+    writer = FrameWriter(claim_stdout())
+    server = Server(
+        writer,
+        queue_limit=args.queue_limit,
+        max_line_bytes=args.max_line_bytes,
+        fault_id=args.fault_id,
+    )
+    stdin_fd = sys.stdin.fileno()
+    status = server.serve(engine_factory(args), lambda n: os.read(stdin_fd, n), handle_signals=True)
+    log.info("exiting with status %d", status)
+    return status

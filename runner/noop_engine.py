@@ -1,0 +1,105 @@
+"""A model-free engine for protocol tests and the protocol benchmark (`--noop-model`).
+
+Tokens are the UTF-8 bytes of the text (vocabulary 256). A completion replays its prompt's
+tokens cyclically, one token frame each, until `num_predict` (default 16; -1: until
+cancelled), so the server, the pipes and the host can be measured without any model cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol import Completion, Done, Token
+
+VOCAB_SIZE = 256
+CONTEXT_LENGTH = 4096
+DEFAULT_NUM_PREDICT = 16
+
+
+class NoopRequestError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class NoopInfo:
+    model: str = "noop"
+    context_length: int = CONTEXT_LENGTH
+    vocab_size: int = VOCAB_SIZE
+    mtp: bool = False
+    mtp_detail: str = "no-op model: no draft head"
+    blas: str = "none"
+
+
+@dataclass
+class NoopPrepared:
+    id: str
+    prompt: list[int]
+    limit: int  # tokens to generate; -1: until cancelled
+
+
+class NoopEngine:
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.info = NoopInfo()
+        self.delay_s = delay_s  # per token, so cancel tests need not flood the pipe
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+    def status(self) -> dict:
+        return {
+            "cache_entries": 0,
+            "cache_bytes": 0,
+            "memory_bytes": 0,
+            "speculation_depth": 0,
+            "speculation": {},
+        }
+
+    def prepare(self, request: Completion) -> NoopPrepared:
+        if request.tokens is not None:
+            prompt = list(request.tokens)
+        else:
+            prompt = self.tokenize(request.prompt)
+        if not prompt:
+            raise NoopRequestError("bad_request", "prompt: empty prompt")
+        if any(t >= VOCAB_SIZE for t in prompt):
+            raise NoopRequestError("bad_request", f"tokens: ids must be below {VOCAB_SIZE}")
+        if len(prompt) >= CONTEXT_LENGTH:
+            raise NoopRequestError(
+                "context_overflow",
+                f"prompt is {len(prompt)} tokens but the context holds {CONTEXT_LENGTH}",
+            )
+        num_predict = request.options.num_predict if request.options else None
+        limit = DEFAULT_NUM_PREDICT if num_predict is None else num_predict
+        return NoopPrepared(request.id, prompt, limit)
+
+    def run(
+        self, prepared: NoopPrepared, emit: Callable[[object], None], cancelled: Callable[[], bool]
+    ) -> None:
+        start = time.perf_counter_ns()
+        prompt, count, reason = prepared.prompt, 0, "length"
+        while prepared.limit < 0 or count < prepared.limit:
+            if cancelled():
+                reason = "cancelled"
+                break
+            token = prompt[count % len(prompt)]
+            emit(Token(prepared.id, self.detokenize([token]), [token]))
+            count += 1
+            if self.delay_s:
+                time.sleep(self.delay_s)
+        emit(
+            Done(
+                prepared.id,
+                reason,
+                prompt_tokens=len(prompt),
+                eval_tokens=count,
+                eval_ns=time.perf_counter_ns() - start,
+            )
+        )

@@ -1,0 +1,442 @@
+"""The runner process: stdin reader thread, completion queue, inference thread, stdout writer.
+
+Threads and their jobs:
+- the main thread is the inference thread: it builds the engine (every MLX call, loading
+  included, happens on it), sends `ready`, then runs queued completions one at a time in
+  arrival order; SIGTERM/SIGINT handlers run on it between steps;
+- the reader thread reads stdin in bounded chunks, decodes each line and answers it: completions
+  are prepared (tokenized) here and queued, cancel/tokenize/detokenize/status are answered at
+  once without waiting for the running completion.
+Every frame goes through one FrameWriter: one lock, one write and one flush per frame.
+
+A completion rejected before it starts (bad field, duplicate id, full queue, prompt too long)
+gets exactly one `error` frame and no `done`. A completion that was queued gets exactly one
+`done`, also when it is cancelled before it runs or when generation fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import protocol
+from protocol import (
+    BAD_REQUEST,
+    DUPLICATE_ID,
+    INTERNAL,
+    LINE_TOO_LONG,
+    LOAD_ERROR,
+    OVERLOADED,
+    PROTOCOL_VERSION,
+    UNKNOWN_ID,
+    Cancel,
+    Completion,
+    Detokenize,
+    Done,
+    Error,
+    Progress,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    Status,
+    StatusFrame,
+    TextFrame,
+    Tokenize,
+    TokensFrame,
+)
+
+log = logging.getLogger("mtp_runner.server")
+
+READ_CHUNK = 1 << 16
+TOO_LONG = object()  # yielded by split_lines in place of a line over the limit
+STATUS_FIELDS = ("cache_entries", "cache_bytes", "memory_bytes", "speculation_depth", "speculation")
+
+ProgressFn = Callable[[str, int, int], None]
+EngineFactory = Callable[[ProgressFn], Any]
+
+
+def split_lines(
+    read: Callable[[int], bytes], max_line: int, chunk: int = READ_CHUNK
+) -> Iterator[bytes | object]:
+    """Yield request lines (without b"\\n") from bounded reads; TOO_LONG for an oversized line.
+
+    An oversized line is reported as soon as it passes the limit and the rest of it is read
+    and dropped chunk by chunk, so no more than `max_line + chunk` bytes are ever held.
+    A last line without a newline still counts as a line.
+    """
+    pending = bytearray()
+    discarding = False
+    while data := read(chunk):
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            if end < 0:
+                if not discarding:
+                    pending += memoryview(data)[start:]
+                    if len(pending) > max_line:
+                        yield TOO_LONG
+                        pending = bytearray()
+                        discarding = True
+                break
+            if discarding:
+                discarding = False
+            elif pending:
+                pending += memoryview(data)[start:end]
+                yield TOO_LONG if len(pending) > max_line else bytes(pending)
+                pending = bytearray()
+            else:
+                yield TOO_LONG if end - start > max_line else data[start:end]
+            start = end + 1
+    if pending and not discarding:
+        yield bytes(pending)
+
+
+class FrameWriter:
+    """Writes whole frames to the host: one lock, one write + flush per frame.
+
+    When the host stops reading (broken pipe) the writer goes quiet and calls `on_closed`
+    once, so the server can cancel work nobody will read.
+    """
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self._lock = threading.Lock()
+        self.closed = False
+        self.on_closed: Callable[[], None] | None = None
+
+    def write(self, frame: protocol.Frame) -> bool:
+        with self._lock:  # encoding under the lock too: one shared msgspec encoder
+            if self.closed:
+                return False
+            line = protocol.encode_frame(frame)  # a malformed frame raises to its sender
+            try:
+                self._out.write(line)
+                self._out.flush()
+                return True
+            except (BrokenPipeError, ValueError, OSError) as exc:
+                log.warning("stdout closed (%s); stopping", exc)
+                self.closed = True
+        if self.on_closed is not None:
+            self.on_closed()
+        return False
+
+
+@dataclass(eq=False)
+class Job:
+    """A completion from the moment it is queued until its done frame is written."""
+
+    request: Completion
+    prepared: Any
+    cancel: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False
+    token_frames: int = 0
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the hidden `--fault-id` hook to test the internal-error path end to end."""
+
+
+class Server:
+    def __init__(
+        self,
+        writer: FrameWriter,
+        queue_limit: int = 64,
+        max_line_bytes: int = protocol.MAX_LINE_BYTES,
+        fault_id: str | None = None,
+    ) -> None:
+        self.writer = writer
+        self.queue_limit = queue_limit
+        self.max_line_bytes = max_line_bytes
+        self.fault_id = fault_id
+        self.engine: Any = None
+        # Re-entrant: cancel_all writes while holding it, and a broken pipe found by that write
+        # calls cancel_all again on the same thread.
+        self._lock = threading.RLock()
+        self._wakeup = threading.Condition(self._lock)
+        self._queue: collections.deque[Job] = collections.deque()
+        self._jobs: dict[str, Job] = {}  # queued and running completions by id
+        self._running: Job | None = None
+        self._closing = False  # no more completions: finish the queue and exit
+        self.load_failed = False
+        writer.on_closed = self.cancel_all
+
+    # ------------------------------------------------------------------ lifecycle
+    def serve(
+        self,
+        load: EngineFactory,
+        read: Callable[[int], bytes],
+        handle_signals: bool = False,
+    ) -> int:
+        """Load the engine, send `ready`, serve until end of input; returns the exit status.
+
+        Runs the inference loop on the calling thread, which should be the main thread: MLX
+        state built on another thread is torn down by thread-local destructors that abort
+        the process if they race with interpreter shutdown.
+        """
+        previous = self._install_signals() if handle_signals else {}
+        try:
+            self._inference_main(load, read)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return 1 if self.load_failed else 0
+
+    def _install_signals(self) -> dict:
+        previous = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, self._on_signal)
+        return previous
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        log.info("received %s: cancelling everything", signal.Signals(signum).name)
+        # The handler runs on the main thread, which may hold the lock right now: hand the
+        # work to a thread of its own instead of taking the lock here.
+        threading.Thread(target=self.cancel_all, name="cancel", daemon=True).start()
+
+    def cancel_all(self) -> None:
+        """Stop taking completions, cancel the queued ones (done frames) and the running one."""
+        with self._lock:
+            self._closing = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            for job in dropped:
+                self._jobs.pop(job.request.id, None)
+                job.finished = True
+                # Written under the lock so the inference loop cannot exit before they are out.
+                self.writer.write(cancelled_done(job.request.id))
+            if self._running is not None:
+                self._running.cancel.set()
+            self._wakeup.notify_all()
+
+    def close_input(self) -> None:
+        """End of stdin or `shutdown`: finish what is queued, then let the process exit."""
+        with self._lock:
+            self._closing = True
+            self._wakeup.notify_all()
+
+    # ------------------------------------------------------------------ inference thread
+    def _inference_main(self, load: EngineFactory, read: Callable[[int], bytes]) -> None:
+        try:
+            self.engine = load(self._progress)
+        except Exception as exc:  # any load failure is a frame and exit 1, never a traceback
+            self.load_failed = True
+            code = getattr(exc, "code", None)
+            code = code if isinstance(code, str) and code else LOAD_ERROR
+            log.error("model failed to load: %s", exc)
+            log.debug("load failure", exc_info=True)
+            self.writer.write(Error(None, code, str(exc) or type(exc).__name__))
+            return
+        with self._lock:
+            stopping = self._closing
+        if stopping:  # a signal arrived while loading
+            return
+        info = self.engine.info
+        self.writer.write(
+            Ready(
+                PROTOCOL_VERSION,
+                info.model,
+                info.context_length,
+                info.vocab_size,
+                info.mtp,
+                info.mtp_detail,
+                info.blas,
+            )
+        )
+        reader = threading.Thread(target=self.read_loop, args=(read,), daemon=True, name="reader")
+        reader.start()
+        while (job := self._next_job()) is not None:
+            self._run_job(job)
+
+    def _progress(self, stage: str, done: int, total: int) -> None:
+        self.writer.write(Progress(stage, int(done), int(total)))
+
+    def _next_job(self) -> Job | None:
+        with self._lock:
+            while not self._queue:
+                if self._closing:
+                    return None
+                self._wakeup.wait()
+            job = self._queue.popleft()
+            self._running = job
+            return job
+
+    def _run_job(self, job: Job) -> None:
+        request_id = job.request.id
+        try:
+            self.engine.run(job.prepared, lambda frame: self._emit(job, frame), job.cancel.is_set)
+            if not job.finished:
+                raise RuntimeError("the engine returned without a done frame")
+        except Exception as exc:  # generation failures are frames; the runner keeps serving
+            log.error("completion %s failed: %s", request_id, exc, exc_info=True)
+            if not job.finished:
+                self._emit(job, Error(request_id, INTERNAL, f"{type(exc).__name__}: {exc}"))
+                self._emit(job, Done(request_id, "error"))
+        finally:
+            with self._lock:
+                self._running = None
+                if self._jobs.get(request_id) is job:
+                    del self._jobs[request_id]
+
+    def _emit(self, job: Job, frame: protocol.Frame) -> None:
+        if job.finished:
+            log.warning("dropping a %s frame sent after done", type(frame).__name__)
+            return
+        if isinstance(frame, Done):
+            # Forget the id before the host can see the done, so it may reuse the id at once.
+            with self._lock:
+                job.finished = True
+                if self._jobs.get(job.request.id) is job:
+                    del self._jobs[job.request.id]
+        elif isinstance(frame, protocol.Token) and self.fault_id == job.request.id:
+            job.token_frames += 1
+            if job.token_frames == 2:
+                raise InjectedFault("fault injected after the first token (--fault-id)")
+        self.writer.write(frame)
+
+    # ------------------------------------------------------------------ reader thread
+    def read_loop(self, read: Callable[[int], bytes]) -> None:
+        try:
+            for line in split_lines(read, self.max_line_bytes):
+                if line is TOO_LONG:
+                    self.writer.write(
+                        Error(
+                            None,
+                            LINE_TOO_LONG,
+                            f"request line longer than {self.max_line_bytes} bytes; discarded",
+                        )
+                    )
+                elif not self._handle_line_safely(line):
+                    break
+        except OSError as exc:
+            log.warning("stdin failed: %s", exc)
+        finally:
+            self.close_input()
+
+    def _handle_line_safely(self, line: bytes) -> bool:
+        try:
+            return self.handle_line(line)
+        except Exception as exc:  # a bug answering one line must not stop the reader
+            log.error("failed to answer a request line: %s", exc, exc_info=True)
+            self.writer.write(Error(None, INTERNAL, f"{type(exc).__name__}: {exc}"))
+            return True
+
+    def handle_line(self, line: bytes) -> bool:
+        """Answer one request line; False after `shutdown` (stop reading)."""
+        try:
+            request = protocol.decode_request(line)
+        except ProtocolError as exc:
+            self.writer.write(exc.frame())
+            return True
+        if self.engine is None:  # the inference thread has finished: nothing more is served
+            if not isinstance(request, Shutdown):
+                self.writer.write(Error(request.id, OVERLOADED, "the runner is shutting down"))
+            return False
+        if isinstance(request, Completion):
+            self._submit(request)
+        elif isinstance(request, Cancel):
+            self._cancel(request.id)
+        elif isinstance(request, Shutdown):
+            return False
+        else:
+            self._answer(request)
+        return True
+
+    def _submit(self, request: Completion) -> None:
+        request_id = request.id
+        with self._lock:
+            refusal = None
+            if request_id in self._jobs:
+                refusal = (DUPLICATE_ID, f"a completion with id {request_id!r} is in progress")
+            elif self._closing:
+                refusal = (OVERLOADED, "the runner is shutting down")
+            elif len(self._queue) >= self.queue_limit:
+                refusal = (OVERLOADED, f"queue full ({self.queue_limit} completions waiting)")
+        if refusal:
+            self.writer.write(Error(request_id, *refusal))
+            return
+        try:
+            prepared = self.engine.prepare(request)
+        except Exception as exc:
+            self.writer.write(refusal_frame(request_id, exc))
+            return
+        job = Job(request, prepared)
+        with self._lock:
+            # Only this thread adds jobs, so the checks above still hold, except closing.
+            if self._closing:
+                refusal = (OVERLOADED, "the runner is shutting down")
+            else:
+                self._jobs[request_id] = job
+                self._queue.append(job)
+                self._wakeup.notify_all()
+        if refusal:
+            self.writer.write(Error(request_id, *refusal))
+
+    def _cancel(self, request_id: str) -> None:
+        with self._lock:
+            job = self._jobs.get(request_id)
+            queued = job is not None and job is not self._running
+            if job is None:
+                pass
+            elif queued:
+                self._queue.remove(job)
+                del self._jobs[request_id]
+                job.finished = True
+            else:
+                job.cancel.set()  # the engine checks before each prefill chunk and decode step
+        if job is None:
+            self.writer.write(
+                Error(request_id, UNKNOWN_ID, f"no queued or running completion {request_id!r}")
+            )
+        elif queued:
+            self.writer.write(cancelled_done(request_id))
+
+    def _answer(self, request: Tokenize | Detokenize | Status) -> None:
+        """tokenize/detokenize/status: answered here, concurrently with a running completion."""
+        try:
+            if isinstance(request, Tokenize):
+                frame = TokensFrame(request.id, list(self.engine.tokenize(request.text)))
+            elif isinstance(request, Detokenize):
+                frame = self._detokenize(request)
+            else:
+                frame = self._status(request)
+        except Exception as exc:
+            log.error("%s %s failed: %s", type(request).__name__, request.id, exc, exc_info=True)
+            frame = refusal_frame(request.id, exc)
+        self.writer.write(frame)
+
+    def _detokenize(self, request: Detokenize) -> protocol.Frame:
+        vocab = self.engine.info.vocab_size
+        for index, token in enumerate(request.tokens):
+            if token >= vocab:
+                return Error(
+                    request.id,
+                    BAD_REQUEST,
+                    f"tokens[{index}]: id {token} is outside the vocabulary (0..{vocab - 1})",
+                )
+        return TextFrame(request.id, self.engine.detokenize(list(request.tokens)))
+
+    def _status(self, request: Status) -> StatusFrame:
+        state = self.engine.status()
+        with self._lock:
+            queue_length = len(self._queue)
+            active = self._running.request.id if self._running is not None else None
+        values = {name: state[name] for name in STATUS_FIELDS if name in state}
+        return StatusFrame(request.id, queue_length, active, **values)
+
+
+def cancelled_done(request_id: str) -> Done:
+    """The done frame of a completion cancelled while it was still queued: nothing ran."""
+    return Done(request_id, "cancelled")
+
+
+def refusal_frame(request_id: str, exc: Exception) -> Error:
+    """An engine's RequestError (code + message) as an error frame; anything else is internal."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, str) and code:
+        return Error(request_id, code, str(getattr(exc, "message", exc)))
+    return Error(request_id, INTERNAL, f"{type(exc).__name__}: {exc}")

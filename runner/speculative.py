@@ -1,0 +1,285 @@
+"""Speculative decoding on MLX: the real seam under ``drafting.rounds.RoundDriver`` and the
+decode loop that moves between speculative rounds and the pipelined plain decoder.
+
+The seam keeps the request's penalty history in step with what the target caches hold: ``x``
+enters it when a round feeds it, the retained drafts when the round rewinds to them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+
+from drafting.accept import greedy_decision, speculate
+from drafting.rounds import (
+    HeadError,
+    HostError,
+    Replay,
+    RoundDriver,
+    RoundError,
+    TargetError,
+    Verification,
+)
+from drafting.session import DraftSession
+from runner.decoder import Outcome, PlainDecoder, Sampled
+
+log = logging.getLogger("mtp_runner.speculative")
+
+
+class MlxRoundOps:
+    """``RoundOps`` over a Llama-family target, its KV caches, a draft session and the
+    request's sampler. Attention caches roll back by offset, so ``capture`` is a position."""
+
+    def __init__(self, model, caches: list, draft: DraftSession | None, sampler) -> None:
+        self.model = model
+        self.caches = caches
+        self.draft = draft
+        self.sampler = sampler
+        self._x_at: int | None = None  # position of the current x once it is in the history
+        self._verified: tuple[int, list[int]] | None = None  # (entry position, drafts)
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        return self.caches[0].offset
+
+    @property
+    def head_alive(self) -> bool:
+        return self.draft is not None and not self.draft.discarded
+
+    @property
+    def head_ready(self) -> bool:
+        return self.head_alive and self.draft.primed
+
+    @property
+    def head_pairs(self) -> int:
+        return self.draft.offset + self.draft.pending
+
+    def capture(self) -> int:
+        return self.position
+
+    def restore(self, state: int) -> None:
+        self.rewind(state)
+
+    def rewind(self, position: int) -> None:
+        if not 0 <= position <= self.position:
+            raise TargetError(f"cannot rewind the target from {self.position} to {position}")
+        for c in self.caches:
+            c.rewind(position)
+        if self._verified is not None:
+            entry, drafts = self._verified
+            self._verified = None
+            retained = drafts[: max(position - entry - 1, 0)]
+            if retained:
+                self.sampler.append(retained)
+
+    def _feed_x(self, x: int) -> None:
+        """Put x (about to be fed at ``position``) in the penalty history, once."""
+        if self._x_at != self.position:
+            self.sampler.append(x)
+            self._x_at = self.position
+
+    # -- head -------------------------------------------------------------------------------
+
+    def head_step(self, current: int, k: int):
+        self._feed_x(current)  # q for d1 is penalised with x in the window, like p
+        try:
+            proposal = self.draft.propose(current, k, self.sampler)
+        except Exception as exc:
+            raise HeadError(f"draft head failed: {exc}") from exc
+        if proposal is None:
+            raise HostError("draft head was not ready to propose")
+        return proposal
+
+    def head_commit(self, tokens: Sequence[int], rows) -> None:
+        try:
+            self.draft.committed(list(tokens), rows[: len(tokens)], self.position - len(tokens))
+        except Exception as exc:
+            raise HeadError(f"draft commit failed: {exc}") from exc
+
+    def head_rewind(self, pairs: int) -> None:
+        # Speculative draft entries above the verified pairs are dropped by the next flush;
+        # the verified ones never go beyond what the driver asks to keep.
+        if self.head_pairs < pairs:
+            raise HeadError(f"draft KV holds {self.head_pairs} pairs, {pairs} asked")
+
+    def head_discard(self) -> None:
+        if self.draft is not None:
+            self.draft.discard()
+
+    # -- target -----------------------------------------------------------------------------
+
+    def verify_feed(self, current: int, proposal) -> Verification:
+        self._feed_x(current)
+        entry = self.position
+        try:
+            ids = mx.array([current], dtype=mx.int32)
+            if proposal is not None:
+                ids = mx.concatenate([ids, proposal.tokens.astype(mx.int32)])
+            hidden = self.model.hidden(ids[None], self.caches)[0]
+            logits = self.model.unembed(hidden)
+            if proposal is None:
+                p = self.sampler.distributions(logits)
+                decision_accept = mx.zeros((0,), dtype=mx.bool_)
+                successors = self.sampler.draw(p).reshape(1).astype(mx.int32)
+                drafts = mx.zeros((0,), dtype=mx.int32)
+            else:
+                drafts = proposal.tokens.astype(mx.int32)
+                p = self.sampler.distributions(logits, drafts)
+                if self.sampler.greedy:
+                    decision = greedy_decision(p, drafts)
+                else:
+                    decision = speculate(p, proposal.probs, drafts, self.sampler)
+                decision_accept, successors = decision
+        except Exception as exc:  # building the graph failed: nothing was evaluated yet
+            self.rewind_quietly(entry)
+            raise TargetError(f"verify forward failed: {exc}") from exc
+        try:
+            mx.eval(drafts, decision_accept, successors, hidden, [c.state for c in self.caches])
+        except Exception as exc:
+            self.rewind_quietly(entry)
+            if proposal is not None and self._proposal_fails(proposal):
+                raise HeadError(f"draft evaluation failed: {exc}") from exc
+            raise TargetError(f"verify forward failed: {exc}") from exc
+        drafted = drafts.tolist()
+        self._verified = (entry, drafted)
+        return Verification(
+            drafts=drafted,
+            accept=[bool(a) for a in decision_accept.tolist()],
+            successors=[int(s) for s in successors.tolist()],
+            rows=hidden,
+        )
+
+    def replay_feed(self, tokens: Sequence[int], successor: bool) -> Replay:
+        # tokens[0] is the current x when it already entered the history at this position.
+        fresh = list(tokens[1:]) if self._x_at == self.position else list(tokens)
+        if fresh:
+            self.sampler.append(fresh)
+        try:
+            ids = mx.array(list(tokens), dtype=mx.int32)
+            hidden = self.model.hidden(ids[None], self.caches)[0]
+            nxt = None
+            if successor:
+                p = self.sampler.distributions(self.model.unembed(hidden[-1:]))
+                nxt = self.sampler.draw(p).reshape(1)
+            mx.eval(hidden, [c.state for c in self.caches], *([nxt] if nxt is not None else []))
+        except Exception as exc:
+            raise TargetError(f"replay forward failed: {exc}") from exc
+        return Replay(successor=int(nxt.item()) if nxt is not None else None, rows=hidden)
+
+    def rewind_quietly(self, position: int) -> None:
+        for c in self.caches:
+            if c.offset > position:
+                c.rewind(position)
+
+    @staticmethod
+    def _proposal_fails(proposal) -> bool:
+        try:
+            mx.eval(proposal.tokens, proposal.probs)
+        except Exception:
+            return True
+        return False
+
+
+def guarded(draft: DraftSession | None, method: str) -> Callable | None:
+    """``draft.<method>`` that discards the head instead of failing the request."""
+    if draft is None:
+        return None
+
+    def call(*args):
+        if draft.discarded:
+            return
+        try:
+            getattr(draft, method)(*args)
+        except Exception:
+            log.exception("draft head failed in %s; continuing without speculation", method)
+            draft.discard()
+
+    return call
+
+
+def decode_speculative(
+    dec: PlainDecoder,
+    driver: RoundDriver,
+    emitter,
+    seed: int,
+    *,
+    max_tokens: int,
+    context_length: int,
+    cancelled: Callable[[], bool],
+    logprob_entry: Callable[[Sampled], object] = lambda s: None,
+    on_first_token: Callable[[], None] = lambda: None,
+) -> Outcome:
+    """Decode with speculative rounds, parking in the pipelined plain decoder at depth 0.
+
+    ``cur`` is always the current token: sampled, not yet emitted, not yet fed; lazy while
+    the plain decoder has it in flight. Resuming speculation needs no extra forward: the
+    round starts from the plain decoder's in-flight sample.
+    """
+    fed: list[int] = []
+    cur = dec.start(seed)
+    dec.commit(cur)
+    first = True
+    while True:
+        if cancelled():
+            return Outcome("cancelled", fed, dec.read(cur))
+        plan = driver.plan()
+        if not plan.parked:
+            x = dec.read(cur)
+            if first:
+                on_first_token()
+                first = False
+            before = len(driver.committed)
+            try:
+                end = driver.round(x)
+            except RoundError as error:
+                if not error.reusable:
+                    raise
+                # The caches hold exactly the committed prefix: end this request only.
+                log.error("speculative round failed: %s", error)
+                fed.extend(driver.committed[before:])
+                return Outcome("error", fed, None, error=str(error))
+            fed.extend(driver.committed[before:])
+            dec.position = driver.ops.position
+            if not end.finished:
+                cur = Sampled(mx.array([end.next], dtype=mx.int32), None)
+                continue
+            final = None
+            if len(driver.emitted) > len(driver.committed):
+                final = driver.emitted[len(driver.committed)]
+            reason = {"cancel": "cancelled"}.get(end.reason, end.reason)
+            return Outcome(reason, fed, final)
+
+        # Parked: one pipelined plain step, accounted as a depth-0 round.
+        last = (max_tokens and emitter.generated + 1 >= max_tokens) or (
+            dec.position + 1 >= context_length
+        )
+        nxt = None if last else dec.advance(cur)
+        token = dec.read(cur)
+        if first:
+            on_first_token()
+            first = False
+        step = emitter.push(token, logprob_entry(cur))
+        driver.parked_round(token, fed=step.keep and nxt is not None)
+        if not step.keep:
+            if nxt is not None:
+                dec.unfeed(nxt)
+            return Outcome(step.reason or "stop", fed, token)
+        if nxt is None:
+            return Outcome(step.reason or "length", fed, token)
+        fed.append(token)
+        dec.commit(nxt)
+        if step.finished:
+            return Outcome(step.reason or "stop", fed, dec.read(nxt))
+        if step.forced:
+            cur = dec.feed_forced(step.forced)
+            fed.extend(step.forced)
+            dec.commit(cur)
+            continue
+        cur = nxt
+
+
+__all__ = ["MlxRoundOps", "RoundError", "decode_speculative", "guarded"]

@@ -1,0 +1,100 @@
+"""Speculative decoding on a real small model with a real (random) head: lossless.
+
+The head drafts the token it is given, so it is right exactly when the target repeats itself,
+which random tiny models do a lot: rounds see full acceptance, rejection at every depth and
+EOS inside accepted runs.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from drafting.load import write_sidecar
+from protocol.requests import Completion, Options
+from runner.engine import Engine, EngineOptions
+from runner.loader import load_model
+from tests.test_head import random_head
+
+PROMPTS = [
+    "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n",
+    "The quick brown fox",
+    "def add(a, b):\n    return",
+]
+BUDGETS = [1, 2, 7, 16, 31]
+DEPTHS = [1, 2, 4, 8]
+
+
+def echo_head(loaded, seed: int = 9):
+    """A head whose block adds nothing and whose fc keeps only the embedding half."""
+    head = random_head(loaded, seed=seed)
+    d = loaded.model.args.hidden_size
+    head.fc.weight = mx.concatenate([mx.eye(d), mx.zeros((d, d))], axis=1)
+    head.layers[0].self_attn.o_proj.weight = mx.zeros((d, d))
+    head.layers[0].mlp.down_proj.weight = mx.zeros_like(head.layers[0].mlp.down_proj.weight)
+    return head
+
+
+@pytest.fixture(scope="module")
+def model_and_head(tiny_checkpoint, tmp_path_factory):
+    loaded = load_model(tiny_checkpoint, pack=False)
+    args = loaded.model.args
+    target = {
+        "model_type": args.model_type,
+        "hidden_size": args.hidden_size,
+        "vocab_size": args.vocab_size,
+        "num_hidden_layers": args.num_hidden_layers,
+    }
+    head_dir = str(tmp_path_factory.mktemp("echo-head"))
+    write_sidecar(head_dir, echo_head(loaded), naming="qwen3_next", target=target)
+    return tiny_checkpoint, head_dir
+
+
+def run(engine: Engine, prompt: str, **options) -> tuple[list[int], object, int]:
+    frames: list = []
+    extra = {k: options.pop(k) for k in ("speculative", "logprobs") if k in options}
+    request = Completion(id="r", prompt=prompt, options=Options(**options), **extra)
+    engine.run(engine.prepare(request), frames.append, lambda: False)
+    tokens = [t for f in frames if type(f).__name__ == "Token" for t in f.tokens]
+    done = frames[-1]
+    assert type(done).__name__ == "Done", frames[-1]
+    return tokens, done, engine.caches[0].offset
+
+
+GREEDY = {"temperature": 0, "repeat_penalty": 1.0}
+
+
+def test_greedy_speculation_equals_plain_for_every_depth_and_budget(model_and_head):
+    path, head_dir = model_and_head
+    plain = Engine(EngineOptions(model_path=path, use_draft=False, prefix_cache=False))
+    engines = {
+        k: Engine(
+            EngineOptions(model_path=path, draft_path=head_dir, draft_depth=k, prefix_cache=False)
+        )
+        for k in DEPTHS
+    }
+    accepted = 0
+    for prompt in PROMPTS:
+        for budget in BUDGETS:
+            want, want_done, want_offset = run(plain, prompt, num_predict=budget, **GREEDY)
+            for k, engine in engines.items():
+                got, done, offset = run(engine, prompt, num_predict=budget, **GREEDY)
+                assert got == want, (prompt, budget, k)
+                assert done.done_reason == want_done.done_reason
+                assert done.eval_tokens == want_done.eval_tokens
+                # Caches hold the prompt and the fed tokens; the draft cache rests level.
+                assert offset == want_offset, (prompt, budget, k)
+                assert engine.draft_cache.offset == engine.caches[0].offset
+                accepted += done.speculation.accepted
+    assert accepted > 20  # the runs really exercised accepted drafts
+
+
+def test_speculation_off_and_logprobs_park_but_keep_the_draft_cache(model_and_head):
+    path, head_dir = model_and_head
+    engine = Engine(EngineOptions(model_path=path, draft_path=head_dir, draft_depth=3))
+    _, done, _ = run(engine, PROMPTS[0], num_predict=12, speculative=False, **GREEDY)
+    assert done.speculation.rounds == 0 and done.speculation.drafted == 0
+    assert engine.draft_cache.offset == engine.caches[0].offset
+    _, done, _ = run(engine, PROMPTS[1], num_predict=12, logprobs=True, **GREEDY)
+    assert done.speculation.rounds == 0
+    assert engine.draft_cache.offset == engine.caches[0].offset
