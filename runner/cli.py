@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="deepest speculation depth (default 8)",
     )
     p.add_argument(
+        "--draft-depth",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="draft exactly N tokens per round instead of the adaptive depth (benchmarks)",
+    )
+    p.add_argument(
         "--cache-bytes",
         type=parse_bytes,
         default=None,
@@ -130,6 +137,7 @@ def engine_factory(args: argparse.Namespace):
             draft_path=args.draft,
             use_draft=not args.no_draft,
             max_draft=args.max_draft,
+            draft_depth=args.draft_depth,
             cache_bytes=args.cache_bytes,
             prefix_cache=not args.no_prefix_cache,
             prefill_chunk=args.prefill_chunk,

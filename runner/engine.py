@@ -240,6 +240,8 @@ class Engine:
             if session is not None:
                 self._close_session(session, outcome)
             self.active = None
+            # Return freed buffers to the system so a long-lived runner stays flat in memory.
+            mx.clear_cache()
         t_end = time.perf_counter_ns()
         t_prefill = counts["prefill_end"] or t_end
         emit(
