@@ -98,3 +98,29 @@ def test_speculation_off_and_logprobs_park_but_keep_the_draft_cache(model_and_he
     _, done, _ = run(engine, PROMPTS[1], num_predict=12, logprobs=True, **GREEDY)
     assert done.speculation.rounds == 0
     assert engine.draft_cache.offset == engine.caches[0].offset
+
+
+def test_prefix_cache_with_a_draft_head_is_lossless(model_and_head):
+    """Pair keys: every restore point is valid for the draft cache too, so cached speculative
+    runs equal uncached plain runs, and every cache rests level after each request."""
+    import random
+
+    path, head_dir = model_and_head
+    cached = Engine(EngineOptions(model_path=path, draft_path=head_dir, draft_depth=3))
+    plain = Engine(EngineOptions(model_path=path, use_draft=False, prefix_cache=False))
+    rng = random.Random(11)
+    base = [PROMPTS[i % 3] for i in range(30)]
+    hits = 0
+    for i, prompt in enumerate(base):
+        if i % 4 == 1:
+            prompt = prompt + " more"
+        elif i % 4 == 2:
+            prompt = prompt[: rng.randrange(5, len(prompt))]
+        budget = rng.choice([1, 3, 9])
+        want, _, _ = run(plain, prompt, num_predict=budget, **GREEDY)
+        got, done, _ = run(cached, prompt, num_predict=budget, **GREEDY)
+        assert got == want, (i, prompt)
+        assert cached.draft_cache.offset == cached.caches[0].offset
+        hits += done.prompt_cached_tokens > 0
+    assert hits > 10
+    assert cached.prefix.entries > 0

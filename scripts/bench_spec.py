@@ -1,0 +1,194 @@
+"""Plain versus speculative decoding on the default model, in one run.
+
+For each sampling mode (greedy, temperature 0.7) and each of 10 prompts, the same engine serves
+the prompt once with `speculative: false` and once with speculation (adaptive depth unless
+--depth is given), interleaved. Decode speed is eval_tokens / eval_ns from the done frames.
+Prints tokens/s, the ratio, acceptance per draft position and the depths the controller chose,
+and writes JSON under bench-results/.
+
+    python scripts/bench_spec.py                 # the shipped head (or --draft DIR)
+    python scripts/bench_spec.py --random-head   # a useless head: the controller must park
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import runner  # noqa: E402,F401  (OpenBLAS before mlx)
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a bicycle works.",
+    "Write a Python function that checks whether a number is prime, and explain it.",
+    "What are the main causes of climate change?",
+    "Describe your ideal weekend in detail.",
+    "Give me a recipe for pancakes.",
+    "Write a letter to a friend about a recent trip to the mountains.",
+    "Explain the difference between a list and a tuple in Python.",
+    "What should I consider when buying a laptop?",
+    "Write a poem about the city at night.",
+]
+MODES = {
+    "greedy": {"temperature": 0.0},
+    "T=0.7": {"temperature": 0.7, "seed": 1},
+}
+
+
+def random_head_dir(loaded) -> str:
+    """A head with random weights (drafts are almost never accepted)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from drafting.head import HeadConfig, MTPHead
+    from drafting.load import write_sidecar
+    from runner.models.llama import DecoderLayer
+
+    args = loaded.model.args
+    mx.random.seed(0)
+    head = MTPHead(
+        HeadConfig(args.hidden_size, args.rms_norm_eps),
+        DecoderLayer(args),
+        loaded.model.embed,
+        loaded.model.output_weight,
+    )
+    mx.eval(dict(tree_flatten(head.parameters())))
+    directory = tempfile.mkdtemp(prefix="random-head-")
+    target = {
+        "model_type": args.model_type,
+        "hidden_size": args.hidden_size,
+        "vocab_size": args.vocab_size,
+        "num_hidden_layers": args.num_hidden_layers,
+    }
+    write_sidecar(directory, head, naming="qwen3_next", target=target)
+    return directory
+
+
+def run_one(engine, prompt: str, speculative: bool, tokens: int, sampling: dict):
+    from protocol.requests import Completion, Options
+
+    frames: list = []
+    request = Completion(
+        id="b", prompt=CHAT.format(prompt), speculative=speculative,
+        options=Options(num_predict=tokens, **sampling),
+    )  # fmt: skip
+    engine.run(engine.prepare(request), frames.append, lambda: False)
+    done = frames[-1]
+    ids = [t for f in frames if type(f).__name__ == "Token" for t in f.tokens]
+    return done, ids
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--draft", default=None, help="head sidecar (default: the shipped one)")
+    parser.add_argument("--random-head", action="store_true")
+    parser.add_argument("--depth", type=int, default=None, help="fixed depth (default adaptive)")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from runner.default_model import ensure_default_model
+    from runner.engine import Engine, EngineOptions
+
+    model = args.model or ensure_default_model()
+    draft = args.draft
+    if args.random_head:
+        from runner.loader import load_model
+
+        draft = random_head_dir(load_model(model, pack=False))
+    engine = Engine(EngineOptions(model_path=model, draft_path=draft, draft_depth=args.depth))
+    if engine.head is None:
+        print(f"no draft head: {engine.info.mtp_detail}", file=sys.stderr)
+        return 1
+    print(f"head: {engine.info.mtp_detail}")
+    print(f"machine load: {os.getloadavg()}")
+    # Warm up both paths once (kernels, allocator) before measuring.
+    run_one(engine, "Hello!", False, 8, {"temperature": 0.0})
+    run_one(engine, "Hello!", True, 8, {"temperature": 0.0})
+
+    report: dict = {"head": engine.info.mtp_detail, "tokens": args.tokens, "modes": {}}
+    rows = []
+    for mode in args.modes.split(","):
+        sampling = MODES[mode]
+        plain_t = plain_n = spec_t = spec_n = 0
+        ratios, same, per_prompt = [], 0, []
+        rounds = drafted = accepted = 0
+        histogram: list[int] = []
+        depths = []
+        t0 = time.time()
+        for prompt in PROMPTS[: args.prompts]:
+            done_p, ids_p = run_one(engine, prompt, False, args.tokens, sampling)
+            done_s, ids_s = run_one(engine, prompt, True, args.tokens, sampling)
+            same += ids_p == ids_s
+            plain_t += done_p.eval_ns
+            plain_n += done_p.eval_tokens
+            spec_t += done_s.eval_ns
+            spec_n += done_s.eval_tokens
+            tps_p = done_p.eval_tokens / done_p.eval_ns * 1e9
+            tps_s = done_s.eval_tokens / done_s.eval_ns * 1e9
+            ratios.append(tps_s / tps_p)
+            sp = done_s.speculation
+            rounds += sp.rounds
+            drafted += sp.drafted
+            accepted += sp.accepted
+            for a, n in enumerate(sp.accepted_per_depth):
+                histogram.extend([0] * (a + 1 - len(histogram)))
+                histogram[a] += n
+            depths.append(sp.final_depth)
+            per_prompt.append({"plain_tps": tps_p, "spec_tps": tps_s, "depth": sp.final_depth})
+            print(f"  {mode:7s} plain {tps_p:6.2f} tok/s  spec {tps_s:6.2f} tok/s  "
+                  f"x{tps_s / tps_p:.2f}  depth {sp.final_depth}  {prompt[:40]}")  # fmt: skip
+        plain_tps = plain_n / plain_t * 1e9
+        spec_tps = spec_n / spec_t * 1e9
+        # Per position i: P(draft i accepted | drafts 1..i-1 accepted), from the round histogram.
+        reach = [sum(histogram[i:]) for i in range(len(histogram))]
+        position = [reach[i] / reach[i - 1] if reach[i - 1] else None for i in range(1, len(reach))]
+        result = {
+            "plain_tps": plain_tps,
+            "spec_tps": spec_tps,
+            "ratio": spec_tps / plain_tps,
+            "median_prompt_ratio": statistics.median(ratios),
+            "identical_outputs": same,
+            "rounds": rounds,
+            "drafted": drafted,
+            "accepted": accepted,
+            "accepted_per_round_histogram": histogram,
+            "acceptance_by_position": position,
+            "final_depths": depths,
+            "controller": engine.depth.state(),
+            "seconds": time.time() - t0,
+            "prompts": per_prompt,
+        }
+        report["modes"][mode] = result
+        rows.append((mode, result))
+
+    print()
+    print("| mode | plain tok/s | speculative tok/s | ratio | acceptance by position | depths |")
+    print("|---|---|---|---|---|---|")
+    for mode, r in rows:
+        acc = ", ".join(f"{a:.2f}" for a in r["acceptance_by_position"] if a is not None) or "-"
+        print(f"| {mode} | {r['plain_tps']:.2f} | {r['spec_tps']:.2f} | {r['ratio']:.2f}x | "
+              f"{acc} | {sorted(set(r['final_depths']))} |")  # fmt: skip
+    out = args.out or os.path.join(
+        ROOT, "bench-results", "spec-random.json" if args.random_head else "spec.json"
+    )
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
