@@ -25,13 +25,12 @@ class Cancelled(Exception):
     """Raised between prefill chunks when the request was cancelled."""
 
 
-def chunk_ends(start: int, end: int, chunk: int, points: Sequence[int] = ()) -> list[int]:
-    """Absolute offsets where prefill chunks of at most ``chunk`` tokens end, also ending at
-    every snapshot point in (start, end)."""
-    ends = set(range(start + chunk, end, chunk))
-    ends.update(p for p in points if start < p < end)
-    ends.add(end)
-    return sorted(ends)
+def chunk_ends(start: int, end: int, chunk: int) -> list[int]:
+    """Absolute offsets where prefill chunks of at most ``chunk`` tokens end.
+
+    Chunks need not end at prefix-cache snapshot points: KV snapshots are ranges of the live
+    buffers, taken when the request closes."""
+    return [*range(start + chunk, end, chunk), end]
 
 
 def prefill(
@@ -41,7 +40,6 @@ def prefill(
     position: int,
     *,
     chunk: int = 512,
-    points: Sequence[int] = (),
     cancelled: Callable[[], bool] = lambda: False,
     on_commit: CommitHook | None = None,
     on_chunk: Callable[[int], None] | None = None,
@@ -52,7 +50,7 @@ def prefill(
     start = position
     if not tokens:
         return start
-    for end in chunk_ends(position, position + len(tokens), chunk, points):
+    for end in chunk_ends(position, position + len(tokens), chunk):
         if cancelled():
             raise Cancelled(start)
         ids = mx.array(tokens[start - position : end - position], dtype=mx.int32)

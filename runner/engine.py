@@ -292,8 +292,8 @@ class Engine:
         try:
             position = prefill(
                 self.model, self.caches, remaining[:-1], session.cached,
-                chunk=self.options.prefill_chunk, points=session.snapshot_points(),
-                cancelled=cancelled, on_commit=on_commit, on_chunk=session.reached,
+                chunk=self.options.prefill_chunk, cancelled=cancelled, on_commit=on_commit,
+                on_chunk=session.reached,
             )  # fmt: skip
         except Cancelled:
             # Keep what prefill finished; level the draft cache with the next prompt token.

@@ -133,7 +133,8 @@ def test_cancel_leaves_caches_at_emitted_tokens(tokenizer):
     assert outcome.final == answer[len(outcome.fed)]
 
 
-def test_chunk_ends_split_at_snapshot_points():
+def test_chunk_ends():
     assert chunk_ends(0, 10, 4) == [4, 8, 10]
-    assert chunk_ends(3, 10, 4, points=[5, 10, 12]) == [5, 7, 10]
+    assert chunk_ends(3, 10, 4) == [7, 10]
     assert chunk_ends(0, 4, 512) == [4]
+    assert chunk_ends(0, 8, 4) == [4, 8]

@@ -1,0 +1,294 @@
+"""Helpers shared by scripts/bench_decode.py and scripts/bench_cache.py.
+
+Every timed side runs in a process of its own, loaded once and driven one request at a time,
+so configurations can be interleaved (A B C A B C ...) on a shared, noisy machine:
+
+- ``PipeRunner``: ``python -m runner`` spoken to over its pipes, timed as a host sees it;
+- ``Worker``: a benchmark worker (this runner's Engine in process, or mlx-lm in its own venv)
+  that answers one JSON command per line on a private stdout descriptor.
+
+This module imports neither mlx nor runner at the top: the mlx-lm worker imports it from a
+venv that has neither the project installed nor its dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "bench-results")
+BENCH_VENV = os.path.join(ROOT, ".venv-bench")
+LOGS_DIR = os.path.join(RESULTS_DIR, "logs")
+
+
+# ----------------------------------------------------------------------------- machine
+def machine_load() -> dict:
+    """Load averages and core count: how much else was running while we measured."""
+    one, five, fifteen = os.getloadavg()
+    return {"loadavg_1m": one, "loadavg_5m": five, "loadavg_15m": fifteen, "cpus": os.cpu_count()}
+
+
+def describe_load(samples: Sequence[dict]) -> str:
+    ones = [s["loadavg_1m"] for s in samples]
+    cpus = samples[0]["cpus"] if samples else os.cpu_count()
+    return (
+        f"load average (1 min) during the run: min {min(ones):.2f}, median "
+        f"{statistics.median(ones):.2f}, max {max(ones):.2f} on {cpus} CPUs"
+    )
+
+
+def environment() -> dict:
+    return {"python": sys.version.split()[0], "platform": platform.platform(), **machine_load()}
+
+
+def default_model_path() -> str:
+    sys.path.insert(0, ROOT)
+    from runner.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+# ----------------------------------------------------------------------------- output
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(name: str, data: dict) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, name)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+    return path
+
+
+def log_file(name: str) -> BinaryIO:
+    """A stderr sink for a child process (a piped stderr nobody reads can stall it)."""
+    os.makedirs(LOGS_DIR, exist_ok=True)
+    return open(os.path.join(LOGS_DIR, name), "wb")
+
+
+# ----------------------------------------------------------------------------- prompts
+def corpus_text() -> str:
+    """Plain English-heavy text that ships with Python itself: stable across our commits."""
+    import argparse
+    import subprocess as sp
+    import textwrap
+    import typing
+
+    parts = []
+    for module in (argparse, textwrap, typing, sp):
+        with open(module.__file__, encoding="utf-8") as f:
+            parts.append(f.read())
+    return "\n\n".join(parts)
+
+
+# ----------------------------------------------------------------------------- runner pipe
+class PipeRunner:
+    """``python -m runner`` as a child process; frames are timestamped when read."""
+
+    def __init__(self, args: Sequence[str], log_name: str) -> None:
+        cmd = [sys.executable, "-m", "runner", "--log-level", "warning", *args]
+        self._log = log_file(log_name)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log
+        )
+        self.ready: dict = {}
+
+    def wait_ready(self) -> dict:
+        for line in self.proc.stdout:
+            frame = json.loads(line)
+            if frame["type"] == "ready":
+                self.ready = frame
+                return frame
+            if frame["type"] == "error":
+                raise RuntimeError(f"runner failed to load: {frame}")
+        raise RuntimeError(f"runner exited before ready (log in {self._log.name})")
+
+    def tokenize(self, text: str) -> list[int]:
+        self.proc.stdin.write(json.dumps({"type": "tokenize", "id": "tok", "text": text}).encode())
+        self.proc.stdin.write(b"\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            frame = json.loads(line)
+            if frame.get("id") == "tok":
+                if frame["type"] != "tokens":
+                    raise RuntimeError(f"tokenize failed: {frame}")
+                return frame["tokens"]
+        raise RuntimeError("runner exited during tokenize")
+
+    def complete(self, request: dict) -> dict:
+        """Send one completion and read its frames; times are seconds since the send."""
+        line = json.dumps({"type": "completion", **request}).encode() + b"\n"
+        tokens: list[tuple[float, list[int]]] = []
+        t0 = time.perf_counter()
+        self.proc.stdin.write(line)
+        self.proc.stdin.flush()
+        while True:
+            raw = self.proc.stdout.readline()
+            now = time.perf_counter() - t0
+            if not raw:
+                raise RuntimeError(f"runner exited mid-request (log in {self._log.name})")
+            frame = json.loads(raw)
+            if frame.get("id") != request["id"]:
+                continue
+            if frame["type"] == "token":
+                tokens.append((now, frame["tokens"]))
+            elif frame["type"] == "error":
+                raise RuntimeError(f"runner refused or failed the request: {frame}")
+            elif frame["type"] == "done":
+                return {"tokens": tokens, "done_at": now, "done": frame}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+# ----------------------------------------------------------------------------- workers
+class Worker:
+    """A child that answers one JSON command per line (see ``serve_worker``)."""
+
+    def __init__(self, argv: Sequence[str], log_name: str, env: dict | None = None) -> None:
+        self._log = log_file(log_name)
+        self.proc = subprocess.Popen(
+            list(argv), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._log, env=env,
+        )  # fmt: skip
+        self.info = self.read()
+
+    def read(self) -> dict:
+        raw = self.proc.stdout.readline()
+        if not raw:
+            raise RuntimeError(f"worker exited (log in {self._log.name})")
+        reply = json.loads(raw)
+        if "error" in reply:
+            raise RuntimeError(f"worker failed: {reply['error']}")
+        return reply
+
+    def call(self, command: dict) -> dict:
+        self.proc.stdin.write(json.dumps(command).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def serve_worker(info: dict, handle: Callable[[dict], dict]) -> None:
+    """The worker side: print ``info``, then answer each command line with ``handle``.
+
+    Replies go to a private copy of stdout; descriptor 1 is pointed at stderr so that prints
+    from libraries cannot corrupt the reply stream.
+    """
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def reply(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    reply(info)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            reply(handle(json.loads(line)))
+        except Exception as exc:  # report, keep serving: the parent decides what to do
+            reply({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def engine_worker(model_path: str, engine_options: dict) -> None:
+    """This runner's Engine in process: ``{"request": {...completion...}}`` -> timings.
+
+    Times are seconds since ``engine.run`` was called, taken in the emit callback, so they
+    include everything the engine does but no encoding, pipe or host.
+    """
+    sys.path.insert(0, ROOT)
+    import msgspec
+
+    import runner
+    from protocol import frames as pf
+    from protocol.requests import Completion
+    from runner.engine import Engine, EngineOptions
+
+    engine = Engine(EngineOptions(model_path=model_path, **engine_options))
+
+    def handle(command: dict) -> dict:
+        request = msgspec.convert(command["request"], Completion)
+        prepared = engine.prepare(request)
+        tokens: list[tuple[float, list[int]]] = []
+        done: dict = {}
+        errors: list[str] = []
+        t0 = time.perf_counter()
+
+        def emit(frame) -> None:
+            now = time.perf_counter() - t0
+            if isinstance(frame, pf.Token):
+                tokens.append((now, list(frame.tokens)))
+            elif isinstance(frame, pf.Done):
+                done.update(msgspec.to_builtins(frame), done_at=now)
+            elif isinstance(frame, pf.Error):
+                errors.append(f"{frame.code}: {frame.message}")
+
+        engine.run(prepared, emit, lambda: False)
+        if errors:
+            raise RuntimeError(f"engine error: {errors[0]}")
+        return {"tokens": tokens, "done_at": done.pop("done_at"), "done": done}
+
+    serve_worker({"blas": runner.blas.blas_in_use(), "model": engine.info.model}, handle)
+
+
+# ----------------------------------------------------------------------------- token timing
+def flatten_ids(tokens: Sequence[tuple[float, list[int]]]) -> list[int]:
+    return [i for _, ids in tokens for i in ids]
+
+
+def interval_rate(tokens: Sequence[tuple[float, list[int]]]) -> float:
+    """Tokens per second between the first and the last token arrival: the ids that arrived
+    after the first frame over the time they took (no prefill, no end-of-request work)."""
+    if len(tokens) < 2:
+        return float("nan")
+    span = tokens[-1][0] - tokens[0][0]
+    after_first = sum(len(ids) for _, ids in tokens[1:])
+    return after_first / span if span > 0 else float("nan")
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def engine_worker_argv(model_path: str, engine_options: dict) -> list[str]:
+    """The command line that starts ``engine_worker`` in this interpreter."""
+    script = os.path.abspath(__file__)
+    return [sys.executable, script, "engine-worker", model_path, json.dumps(engine_options)]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "engine-worker":
+        engine_worker(sys.argv[2], json.loads(sys.argv[3]))
+    else:
+        raise SystemExit("usage: bench_common.py engine-worker MODEL OPTIONS_JSON (internal)")
