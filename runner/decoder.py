@@ -103,18 +103,19 @@ class PlainDecoder:
         self.on_commit = on_commit
         self.forwards = 0
 
-    def _feed(self, token: mx.array, append: bool) -> Sampled:
-        token = token.reshape(1).astype(mx.int32)
+    def _feed(self, tokens: mx.array, append: bool) -> Sampled:
+        """Dispatch one forward over ``tokens`` and the sample of the token after them."""
+        tokens = tokens.reshape(-1).astype(mx.int32)
         if append:
-            self.sampler.append(token)
-        hidden = self.model.hidden(token[None], self.caches)
+            self.sampler.append(tokens)
+        hidden = self.model.hidden(tokens[None], self.caches)
         logits = self.model.unembed(hidden[:, -1])[0]
         nxt = self.sampler.sample(logits).reshape(1)
         lp = None
         if self.top_logprobs is not None:
             lp = self.sampler.logprobs(logits, nxt, self.top_logprobs)
-        sampled = Sampled(nxt, lp, hidden[0], token, self.position)
-        self.position += 1
+        sampled = Sampled(nxt, lp, hidden[0], tokens, self.position)
+        self.position += tokens.shape[0]
         self.forwards += 1
         # Evaluate the caches with the token so no lazy graph accumulates across steps.
         mx.async_eval(nxt, hidden, *(lp or ()), [c.state for c in self.caches])
@@ -130,20 +131,7 @@ class PlainDecoder:
 
     def feed_forced(self, tokens: Sequence[int]) -> Sampled:
         """Feed tokens the runner inserts itself (a forced ``</think>``); return the successor."""
-        ids = mx.array(list(tokens), dtype=mx.int32)
-        for t in tokens:
-            self.sampler.append(t)
-        hidden = self.model.hidden(ids[None], self.caches)
-        logits = self.model.unembed(hidden[:, -1])[0]
-        nxt = self.sampler.sample(logits).reshape(1)
-        lp = None
-        if self.top_logprobs is not None:
-            lp = self.sampler.logprobs(logits, nxt, self.top_logprobs)
-        sampled = Sampled(nxt, lp, hidden[0], ids, self.position)
-        self.position += len(tokens)
-        self.forwards += 1
-        mx.async_eval(nxt, hidden, *(lp or ()), [c.state for c in self.caches])
-        return sampled
+        return self._feed(mx.array(list(tokens), dtype=mx.int32), append=True)
 
     @staticmethod
     def read(sampled: Sampled) -> int:
@@ -173,54 +161,81 @@ class Outcome:
     error: str | None = None  # why generation failed, when reason == "error"
 
 
-def decode_plain(
-    dec: PlainDecoder,
-    emitter,
-    seed: int,
-    *,
-    max_tokens: int,
-    context_length: int,
-    cancelled: Callable[[], bool],
-    logprob_entry: Callable[[Sampled], object] = lambda s: None,
-    on_first_token: Callable[[], None] = lambda: None,
-) -> Outcome:
-    """Pipelined plain decoding from ``seed`` (the last prompt token, not yet fed).
+class PlainLoop:
+    """The pipelined plain decoding loop, one token per :meth:`step`.
 
-    Each iteration dispatches the forward feeding the current token before reading it, unless
-    that token is certainly the last one (budget or context end), so no forward is wasted on
-    a token that will never be fed. The caches end holding exactly ``Outcome.fed`` after the
-    prompt: an EOS that was dispatched before it was read is rewound away.
+    Each step dispatches the forward feeding the current token before reading it, unless that
+    token is certainly the last one (budget or context end), so no forward is wasted on a
+    token that will never be fed. ``fed`` lists the generated tokens the caches hold: an EOS
+    that was dispatched before it was read is rewound away.
     """
-    fed: list[int] = []
-    cur = dec.start(seed)
-    dec.commit(cur)
-    first = True
-    while True:
-        if cancelled():
-            return Outcome("cancelled", fed, dec.read(cur))
-        last = (max_tokens and emitter.generated + 1 >= max_tokens) or (
-            dec.position + 1 >= context_length
+
+    def __init__(
+        self,
+        dec: PlainDecoder,
+        emitter,
+        *,
+        max_tokens: int,
+        context_length: int,
+        logprob_entry: Callable[[Sampled], object] = lambda s: None,
+        on_first_token: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.dec = dec
+        self.emitter = emitter
+        self.max_tokens = max_tokens
+        self.context_length = context_length
+        self.logprob_entry = logprob_entry
+        self.on_first_token = on_first_token
+        self.fed: list[int] = []
+        self._first = True
+
+    def start(self, seed: int) -> Sampled:
+        """Feed the decode seed (the last prompt token); return the first in-flight sample."""
+        cur = self.dec.start(seed)
+        self.dec.commit(cur)
+        return cur
+
+    def read(self, cur: Sampled) -> int:
+        token = self.dec.read(cur)
+        if self._first:
+            self.on_first_token()
+            self._first = False
+        return token
+
+    def step(self, cur: Sampled) -> tuple[Outcome | None, Sampled | None, int, bool]:
+        """Emit ``cur``: returns (outcome when generation ended, the next current token,
+        the token, whether it was fed)."""
+        dec = self.dec
+        last = (self.max_tokens and self.emitter.generated + 1 >= self.max_tokens) or (
+            dec.position + 1 >= self.context_length
         )
         nxt = None if last else dec.advance(cur)
-        token = dec.read(cur)
-        if first:
-            on_first_token()
-            first = False
-        step = emitter.push(token, logprob_entry(cur))
+        token = self.read(cur)
+        step = self.emitter.push(token, self.logprob_entry(cur))
         if not step.keep:
             if nxt is not None:
                 dec.unfeed(nxt)
-            return Outcome(step.reason or "stop", fed, token)
+            return Outcome(step.reason or "stop", self.fed, token), None, token, False
         if nxt is None:
-            return Outcome(step.reason or "length", fed, token)
-        fed.append(token)
+            return Outcome(step.reason or "length", self.fed, token), None, token, False
+        self.fed.append(token)
         dec.commit(nxt)
         if step.finished:
-            return Outcome(step.reason or "stop", fed, dec.read(nxt))
+            return Outcome(step.reason or "stop", self.fed, dec.read(nxt)), None, token, True
         if step.forced:
             # The in-flight successor assumed no close marker; feed the marker instead.
-            cur = dec.feed_forced(step.forced)
-            fed.extend(step.forced)
-            dec.commit(cur)
-            continue
-        cur = nxt
+            nxt = dec.feed_forced(step.forced)
+            self.fed.extend(step.forced)
+            dec.commit(nxt)
+        return None, nxt, token, True
+
+
+def decode_plain(loop: PlainLoop, seed: int, cancelled: Callable[[], bool]) -> Outcome:
+    """Pipelined plain decoding from ``seed`` until the emitter, budget or a cancel ends it."""
+    cur = loop.start(seed)
+    while True:
+        if cancelled():
+            return Outcome("cancelled", loop.fed, loop.dec.read(cur))
+        outcome, cur, _, _ = loop.step(cur)
+        if outcome is not None:
+            return outcome

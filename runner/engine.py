@@ -24,7 +24,7 @@ from drafting.session import DraftSession
 from drafting.stats import SpecStats
 from protocol import frames as pf
 from runner import blas
-from runner.decoder import Cancelled, Outcome, PlainDecoder, decode_plain, prefill
+from runner.decoder import Cancelled, Outcome, PlainDecoder, PlainLoop, decode_plain, prefill
 from runner.draft_loader import load_draft_head
 from runner.emit import Emitter
 from runner.loader import LoadedModel, load_model
@@ -322,13 +322,14 @@ class Engine:
         def first_token() -> None:
             counts["prefill_end"] = time.perf_counter_ns()
 
-        common = dict(
-            max_tokens=req.max_tokens, context_length=self.info.context_length,
-            cancelled=cancelled, logprob_entry=self._logprob_entry, on_first_token=first_token,
+        loop = PlainLoop(
+            decoder, emitter, max_tokens=req.max_tokens,
+            context_length=self.info.context_length, logprob_entry=self._logprob_entry,
+            on_first_token=first_token,
         )  # fmt: skip
         try:
             if draft is None:
-                outcome = decode_plain(decoder, emitter, remaining[-1], **common)
+                outcome = decode_plain(loop, remaining[-1], cancelled)
             else:
                 # Logprobs are per plain step; such requests park for good but keep the
                 # draft KV current.
@@ -341,7 +342,7 @@ class Engine:
                 driver = RoundDriver(
                     ops, emitter.push, cancelled, depth=depth, budget=req.max_tokens, stats=stats
                 )
-                outcome = decode_speculative(decoder, driver, emitter, remaining[-1], **common)
+                outcome = decode_speculative(loop, driver, remaining[-1], cancelled)
         finally:
             counts["generated"] = emitter.generated
         emitter.finish()

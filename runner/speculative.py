@@ -23,7 +23,7 @@ from drafting.rounds import (
     Verification,
 )
 from drafting.session import DraftSession
-from runner.decoder import Outcome, PlainDecoder, Sampled
+from runner.decoder import Outcome, PlainLoop, Sampled
 
 log = logging.getLogger("mtp_runner.speculative")
 
@@ -202,16 +202,7 @@ def guarded(draft: DraftSession | None, method: str) -> Callable | None:
 
 
 def decode_speculative(
-    dec: PlainDecoder,
-    driver: RoundDriver,
-    emitter,
-    seed: int,
-    *,
-    max_tokens: int,
-    context_length: int,
-    cancelled: Callable[[], bool],
-    logprob_entry: Callable[[Sampled], object] = lambda s: None,
-    on_first_token: Callable[[], None] = lambda: None,
+    loop: PlainLoop, driver: RoundDriver, seed: int, cancelled: Callable[[], bool]
 ) -> Outcome:
     """Decode with speculative rounds, parking in the pipelined plain decoder at depth 0.
 
@@ -219,67 +210,38 @@ def decode_speculative(
     the plain decoder has it in flight. Resuming speculation needs no extra forward: the
     round starts from the plain decoder's in-flight sample.
     """
-    fed: list[int] = []
-    cur = dec.start(seed)
-    dec.commit(cur)
-    first = True
+    fed = loop.fed
+    cur = loop.start(seed)
     while True:
         if cancelled():
-            return Outcome("cancelled", fed, dec.read(cur))
-        plan = driver.plan()
-        if not plan.parked:
-            x = dec.read(cur)
-            if first:
-                on_first_token()
-                first = False
-            before = len(driver.committed)
-            try:
-                end = driver.round(x)
-            except RoundError as error:
-                if not error.reusable:
-                    raise
-                # The caches hold exactly the committed prefix: end this request only.
-                log.error("speculative round failed: %s", error)
-                fed.extend(driver.committed[before:])
-                return Outcome("error", fed, None, error=str(error))
-            fed.extend(driver.committed[before:])
-            dec.position = driver.ops.position
-            if not end.finished:
-                cur = Sampled(mx.array([end.next], dtype=mx.int32), None)
-                continue
-            final = None
-            if len(driver.emitted) > len(driver.committed):
-                final = driver.emitted[len(driver.committed)]
-            reason = {"cancel": "cancelled"}.get(end.reason, end.reason)
-            return Outcome(reason, fed, final)
-
-        # Parked: one pipelined plain step, accounted as a depth-0 round.
-        last = (max_tokens and emitter.generated + 1 >= max_tokens) or (
-            dec.position + 1 >= context_length
-        )
-        nxt = None if last else dec.advance(cur)
-        token = dec.read(cur)
-        if first:
-            on_first_token()
-            first = False
-        step = emitter.push(token, logprob_entry(cur))
-        driver.parked_round(token, fed=step.keep and nxt is not None)
-        if not step.keep:
-            if nxt is not None:
-                dec.unfeed(nxt)
-            return Outcome(step.reason or "stop", fed, token)
-        if nxt is None:
-            return Outcome(step.reason or "length", fed, token)
-        fed.append(token)
-        dec.commit(nxt)
-        if step.finished:
-            return Outcome(step.reason or "stop", fed, dec.read(nxt))
-        if step.forced:
-            cur = dec.feed_forced(step.forced)
-            fed.extend(step.forced)
-            dec.commit(cur)
+            return Outcome("cancelled", fed, loop.dec.read(cur))
+        if driver.plan().parked:
+            # One pipelined plain step, accounted as a depth-0 round.
+            outcome, cur, token, was_fed = loop.step(cur)
+            driver.parked_round(token, fed=was_fed)
+            if outcome is not None:
+                return outcome
             continue
-        cur = nxt
+        x = loop.read(cur)
+        before = len(driver.committed)
+        try:
+            end = driver.round(x)
+        except RoundError as error:
+            if not error.reusable:
+                raise
+            # The caches hold exactly the committed prefix: end this request only.
+            log.error("speculative round failed: %s", error)
+            fed.extend(driver.committed[before:])
+            return Outcome("error", fed, None, error=str(error))
+        fed.extend(driver.committed[before:])
+        loop.dec.position = driver.ops.position
+        if not end.finished:
+            cur = Sampled(mx.array([end.next], dtype=mx.int32), None)
+            continue
+        final = None
+        if len(driver.emitted) > len(driver.committed):
+            final = driver.emitted[len(driver.committed)]
+        return Outcome("cancelled" if end.reason == "cancel" else end.reason, fed, final)
 
 
 __all__ = ["MlxRoundOps", "RoundError", "decode_speculative", "guarded"]

@@ -46,31 +46,9 @@ MODES = {
 
 def random_head_dir(loaded) -> str:
     """A head with random weights (drafts are almost never accepted)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    from tests.heads import write_head
 
-    from drafting.head import HeadConfig, MTPHead
-    from drafting.load import write_sidecar
-    from runner.models.llama import DecoderLayer
-
-    args = loaded.model.args
-    mx.random.seed(0)
-    head = MTPHead(
-        HeadConfig(args.hidden_size, args.rms_norm_eps),
-        DecoderLayer(args),
-        loaded.model.embed,
-        loaded.model.output_weight,
-    )
-    mx.eval(dict(tree_flatten(head.parameters())))
-    directory = tempfile.mkdtemp(prefix="random-head-")
-    target = {
-        "model_type": args.model_type,
-        "hidden_size": args.hidden_size,
-        "vocab_size": args.vocab_size,
-        "num_hidden_layers": args.num_hidden_layers,
-    }
-    write_sidecar(directory, head, naming="qwen3_next", target=target)
-    return directory
+    return write_head(tempfile.mkdtemp(prefix="random-head-"), loaded)
 
 
 def run_one(engine, prompt: str, speculative: bool, tokens: int, sampling: dict):

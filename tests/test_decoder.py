@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from cache.kv import KVCache
-from runner.decoder import PlainDecoder, chunk_ends, decode_plain, prefill
+from runner.decoder import PlainDecoder, PlainLoop, chunk_ends, decode_plain, prefill
 from runner.emit import Emitter
 from runner.loader import load_model
 from runner.sampler import Sampler, SamplingParams
@@ -64,9 +64,8 @@ def run_script(tokenizer, prompt, answer, *, max_tokens=0, stop=(), cancel_after
     emitter = Emitter(tokenizer, stop=list(stop), max_tokens=max_tokens, send=send)
     dec = PlainDecoder(model, caches, sampler, position)
     cancelled = lambda: cancel_after is not None and len(emitted) >= cancel_after  # noqa: E731
-    outcome = decode_plain(
-        dec, emitter, prompt[-1], max_tokens=max_tokens, context_length=512, cancelled=cancelled
-    )
+    loop = PlainLoop(dec, emitter, max_tokens=max_tokens, context_length=512)
+    outcome = decode_plain(loop, prompt[-1], cancelled)
     emitter.finish()
     return outcome, log, caches, dec
 

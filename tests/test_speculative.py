@@ -7,14 +7,12 @@ EOS inside accepted runs.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 
-from drafting.load import write_sidecar
 from protocol.requests import Completion, Options
 from runner.engine import Engine, EngineOptions
 from runner.loader import load_model
-from tests.test_head import random_head
+from tests.heads import echo_head, write_head
 
 PROMPTS = [
     "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n",
@@ -25,28 +23,10 @@ BUDGETS = [1, 2, 7, 16, 31]
 DEPTHS = [1, 2, 4, 8]
 
 
-def echo_head(loaded, seed: int = 9):
-    """A head whose block adds nothing and whose fc keeps only the embedding half."""
-    head = random_head(loaded, seed=seed)
-    d = loaded.model.args.hidden_size
-    head.fc.weight = mx.concatenate([mx.eye(d), mx.zeros((d, d))], axis=1)
-    head.layers[0].self_attn.o_proj.weight = mx.zeros((d, d))
-    head.layers[0].mlp.down_proj.weight = mx.zeros_like(head.layers[0].mlp.down_proj.weight)
-    return head
-
-
 @pytest.fixture(scope="module")
 def model_and_head(tiny_checkpoint, tmp_path_factory):
     loaded = load_model(tiny_checkpoint, pack=False)
-    args = loaded.model.args
-    target = {
-        "model_type": args.model_type,
-        "hidden_size": args.hidden_size,
-        "vocab_size": args.vocab_size,
-        "num_hidden_layers": args.num_hidden_layers,
-    }
-    head_dir = str(tmp_path_factory.mktemp("echo-head"))
-    write_sidecar(head_dir, echo_head(loaded), naming="qwen3_next", target=target)
+    head_dir = write_head(str(tmp_path_factory.mktemp("echo-head")), loaded, echo_head(loaded))
     return tiny_checkpoint, head_dir
 
 

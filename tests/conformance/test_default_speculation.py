@@ -44,20 +44,11 @@ PROMPTS = [
 def head_args(default_model, tmp_path_factory) -> list[str]:
     if os.path.exists(os.path.join(HEAD_DIR, "config.json")):
         return []
-    from drafting.load import write_sidecar
     from runner.loader import load_model
-    from tests.test_head import random_head
+    from tests.heads import write_head
 
     loaded = load_model(default_model, pack=False)
-    args = loaded.model.args
-    target = {
-        "model_type": args.model_type,
-        "hidden_size": args.hidden_size,
-        "vocab_size": args.vocab_size,
-        "num_hidden_layers": args.num_hidden_layers,
-    }
-    directory = str(tmp_path_factory.mktemp("random-head"))
-    write_sidecar(directory, random_head(loaded), naming="qwen3_next", target=target)
+    directory = write_head(str(tmp_path_factory.mktemp("random-head")), loaded)
     del loaded
     mx.clear_cache()
     return ["--draft", directory]
