@@ -26,7 +26,7 @@ from protocol import frames as pf
 from runner import blas
 from runner.decoder import Cancelled, Outcome, PlainDecoder, PlainLoop, decode_plain, prefill
 from runner.draft_loader import load_draft_head
-from runner.emit import Emitter
+from runner.emit import OPEN_MARKER, Emitter
 from runner.loader import LoadedModel, load_model
 from runner.sampler import Sampler, SamplingParams
 from runner.speculative import MlxRoundOps, decode_speculative, guarded
@@ -310,9 +310,11 @@ class Engine:
         def send(content: str, ids: list[int], logprobs: list | None) -> None:
             emit(pf.Token(id=req.id, content=content, tokens=list(ids), logprobs=logprobs))
 
+        # Templates that open the reasoning span themselves end the prompt with <think>.
+        opened = self.tokenizer.decode(req.prompt[-8:]).rstrip().endswith(OPEN_MARKER)
         emitter = Emitter(
             self.tokenizer, stop=req.stop, max_tokens=req.max_tokens,
-            think_budget=req.think_budget, send=send,
+            think_budget=req.think_budget, send=send, prompt_open_think=opened,
         )  # fmt: skip
         decoder = PlainDecoder(
             self.model, self.caches, sampler, position,

@@ -16,7 +16,8 @@ GREEDY = {"temperature": 0.0, "repeat_penalty": 1.0}
 
 def complete(engine: Engine, prompt=None, tokens=None, **kwargs):
     """Run one completion; return (generated ids, text, done frame, token frames)."""
-    top = {k: kwargs.pop(k) for k in ("logprobs", "top_logprobs", "speculative") if k in kwargs}
+    fields = ("logprobs", "top_logprobs", "speculative", "think_budget")
+    top = {k: kwargs.pop(k) for k in fields if k in kwargs}
     request = Completion(id="r", prompt=prompt, tokens=tokens, options=Options(**kwargs), **top)
     frames: list = []
     engine.run(engine.prepare(request), frames.append, lambda: False)
@@ -159,3 +160,16 @@ def test_cancel_between_prefill_chunks_keeps_what_was_done(tiny_checkpoint):
     assert frames[-1].done_reason == "cancelled" and frames[-1].eval_tokens == 0
     _, _, done, _ = complete(small_chunks, tokens=prompt, num_predict=4, **GREEDY)
     assert done.prompt_cached_tokens >= 24  # the retry resumes where the cancel stopped
+
+
+def test_think_budget_closes_the_span_and_feeds_the_marker(engine):
+    prompt = CHAT.format("think first") + "<think>"
+    close = engine.tokenize("</think>")
+    ids, text, done, _ = complete(engine, prompt, num_predict=12, think_budget=3, **GREEDY)
+    # Three content tokens inside the span, then the runner's own close marker.
+    assert ids[3 : 3 + len(close)] == close
+    assert text.count("</think>") == 1
+    # The marker is fed: the caches hold prompt + generated tokens, marker included.
+    fed = len(engine.tokenize(prompt)) + len(ids)
+    assert engine.caches[0].offset in (fed - 1, fed)
+    assert done.eval_tokens == len(ids) - len(close)

@@ -32,7 +32,7 @@ def model_and_head(tiny_checkpoint, tmp_path_factory):
 
 def run(engine: Engine, prompt: str, **options) -> tuple[list[int], object, int]:
     frames: list = []
-    extra = {k: options.pop(k) for k in ("speculative", "logprobs") if k in options}
+    extra = {k: options.pop(k) for k in ("speculative", "logprobs", "think_budget") if k in options}
     request = Completion(id="r", prompt=prompt, options=Options(**options), **extra)
     engine.run(engine.prepare(request), frames.append, lambda: False)
     tokens = [t for f in frames if type(f).__name__ == "Token" for t in f.tokens]
@@ -104,3 +104,15 @@ def test_prefix_cache_with_a_draft_head_is_lossless(model_and_head):
         hits += done.prompt_cached_tokens > 0
     assert hits > 10
     assert cached.prefix.entries > 0
+
+
+def test_forced_think_close_is_identical_with_speculation(model_and_head):
+    path, head_dir = model_and_head
+    plain = Engine(EngineOptions(model_path=path, use_draft=False, prefix_cache=False))
+    spec = Engine(EngineOptions(model_path=path, draft_path=head_dir, draft_depth=3))
+    prompt = PROMPTS[0] + "<think>"
+    for budget in (0, 2, 5):
+        want, want_done, _ = run(plain, prompt, num_predict=14, think_budget=budget, **GREEDY)
+        got, done, _ = run(spec, prompt, num_predict=14, think_budget=budget, **GREEDY)
+        assert got == want and done.eval_tokens == want_done.eval_tokens, budget
+        assert spec.draft_cache.offset == spec.caches[0].offset
