@@ -8,21 +8,26 @@ N that maximises expected committed tokens per second,
 from two measured models:
 
 - acceptance: per draft position i >= 1, an EWMA (alpha 0.1) of P(draft i accepted | drafts
-  1..i-1 accepted). A position is trusted after 10 samples; an untrusted position borrows the
-  deepest trusted rate below it (1.0 when there is none: optimistic, so deeper depths get tried).
-  Positions after an accepted EOS are not judged.
-- cost: per depth, an EWMA (alpha 0.3) of a round's wall time, from its start to the start of
-  the next round, recorded only when the round's depth equals the previous round's depth (a
-  change of batch shape costs extra once). Each innovation is clamped to +-25% of the current
-  value so one host stall cannot flip the choice. Between sampled depths the cost is
-  interpolated linearly, beyond them it is flat.
+  1..i-1 accepted), bias-corrected: until it has 10 samples it is their plain mean (one early
+  outcome must not set the rate to 0 or 1). A position is trusted after 10 samples; an
+  untrusted position borrows the deepest trusted rate below it (1.0 when there is none:
+  optimistic, so deeper depths get tried). Positions after an accepted EOS are not judged.
+- cost: per depth, a round's wall time, from its start to the start of the next round,
+  recorded only when the rounds before and after it have the same depth (a change of depth
+  costs extra on both sides: the pipelined plain loop drains and refills, the draft cache
+  catches up). The first 4 samples of a depth are combined by their median (the
+  first rounds at a new shape include warm-up), later ones by an EWMA (alpha 0.3) whose
+  innovation is clamped to +-25% of the current value so one host stall cannot flip the choice.
+  Between sampled depths the cost is interpolated linearly, beyond them it is flat.
 
 Depth 0 (plain decoding) is a real option, measured like any other, so speculation never
 settles on being slower than plain decoding. The search stops one position past the deepest
 trusted position and at ``max_depth`` (``--max-draft``). Every so often the controller probes
-one depth deeper than its choice; the interval starts at 4 rounds and doubles after each probe
-that did not change the choice, up to 512, and snaps back to 4 when the choice changes. A depth
-in range that has no cost sample yet is drafted before anything else (cost seeding).
+one depth deeper than its choice for three rounds (so the middle one is timed: a parked
+controller would otherwise never re-measure the cost of drafting); the interval starts at 4
+rounds and doubles after each probe that did not change the choice, up to 128, and snaps back
+to 4 when the choice changes. A depth in range that has no cost sample yet is drafted before
+anything else (cost seeding).
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ COST_ALPHA = 0.3
 ACCEPT_ALPHA = 0.1
 TRUSTED_AFTER = 10  # acceptance samples before a position's rate is believed
 COST_CLAMP = 0.25  # largest relative move of a cost EWMA per sample
+COST_SEED_SAMPLES = 4  # samples combined by their median before the EWMA takes over
 PROBE_FIRST = 4
-PROBE_MAX = 512
+PROBE_MAX = 128  # a probe costs a useless head ~3 * 0.3 steps per 128 tokens (< 1%)
+PROBE_ROUNDS = 3  # rounds per probe; only the middle one is timed
 DEFAULT_MAX_DEPTH = 8
 
 
@@ -52,6 +59,7 @@ class DepthController:
         self._clock = clock
         self._lock = threading.Lock()  # status() reads from other threads
         self._cost: dict[int, float] = {}
+        self._cost_seed: dict[int, list[float]] = {}
         # index i = draft position i (index 0 unused)
         self._rate = [0.0] * (self.max_depth + 1)
         self._seen = [0] * (self.max_depth + 1)
@@ -60,6 +68,7 @@ class DepthController:
         self._probe_interval = PROBE_FIRST
         self._probe_since = 0
         self._probing = False
+        self._probe_left = 0
         self._round_start: float | None = None
         self._round_depth: int | None = None
         self._before_depth: int | None = None
@@ -78,10 +87,12 @@ class DepthController:
     # -- measurements -------------------------------------------------------------------------
 
     def round_started(self, depth: int) -> None:
-        """A round of ``depth`` drafts starts now; closes the previous round's cost sample."""
+        """A round of ``depth`` drafts starts now; closes the previous round's cost sample
+        (kept when the rounds on both sides of it had its depth)."""
         now = self._clock()
         with self._lock:
-            if self._round_start is not None and self._round_depth == self._before_depth:
+            same = self._round_depth == self._before_depth == depth
+            if self._round_start is not None and same:
                 self._add_cost(self._round_depth, now - self._round_start)
             self._before_depth = self._round_depth
             self._round_depth = depth
@@ -93,10 +104,12 @@ class DepthController:
             self._add_cost(depth, seconds)
 
     def _add_cost(self, depth: int, seconds: float) -> None:
-        old = self._cost.get(depth)
-        if old is None:
-            self._cost[depth] = seconds
+        seed = self._cost_seed.setdefault(depth, [])
+        if len(seed) < COST_SEED_SAMPLES:
+            seed.append(seconds)
+            self._cost[depth] = sorted(seed)[(len(seed) - 1) // 2]  # lower median
             return
+        old = self._cost[depth]
         bound = COST_CLAMP * old
         innovation = min(max(seconds - old, -bound), bound)
         self._cost[depth] = old + COST_ALPHA * innovation
@@ -109,11 +122,9 @@ class DepthController:
                 if accepted < i - 1:
                     break  # never reached: an earlier draft was rejected
                 outcome = 1.0 if accepted >= i else 0.0
-                if self._seen[i] == 0:
-                    self._rate[i] = outcome
-                else:
-                    self._rate[i] += ACCEPT_ALPHA * (outcome - self._rate[i])
                 self._seen[i] += 1
+                alpha = max(ACCEPT_ALPHA, 1.0 / self._seen[i])  # the mean until 1/n < alpha
+                self._rate[i] += alpha * (outcome - self._rate[i])
 
     # -- the model ----------------------------------------------------------------------------
 
@@ -183,6 +194,10 @@ class DepthController:
                 self._selected = sel
                 self._probe_interval = PROBE_FIRST
                 self._probe_since = 0
+                self._probing, self._probe_left = False, 0
+            elif self._probe_left > 0:  # the probe's next round, at the same depth
+                self._probe_left -= 1
+                return self.scheduled
             elif self._probing:
                 self._probe_interval = min(2 * self._probe_interval, PROBE_MAX)
             self._probing = False
@@ -195,6 +210,7 @@ class DepthController:
                 if probe != sel:
                     choice = probe
                     self._probing = True
+                    self._probe_left = PROBE_ROUNDS - 1
             if not self._probing:
                 unsampled = [d for d in range(limit + 1) if d not in self._cost]
                 if unsampled:

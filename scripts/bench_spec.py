@@ -38,9 +38,13 @@ PROMPTS = [
     "What should I consider when buying a laptop?",
     "Write a poem about the city at night.",
 ]
+# The head is trained on the target's unpenalised distribution, so the two main modes turn
+# the repeat penalty off; "greedy+rp" keeps Ollama's default repeat_penalty 1.1, which moves
+# the target's argmax away from what the head learned (the draft is penalised the same way).
 MODES = {
-    "greedy": {"temperature": 0.0},
-    "T=0.7": {"temperature": 0.7, "seed": 1},
+    "greedy": {"temperature": 0.0, "repeat_penalty": 1.0},
+    "T=0.7": {"temperature": 0.7, "seed": 1, "repeat_penalty": 1.0},
+    "greedy+rp": {"temperature": 0.0},
 }
 
 
@@ -73,7 +77,7 @@ def main() -> int:
     parser.add_argument("--depth", type=int, default=None, help="fixed depth (default adaptive)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default="greedy,T=0.7", help=f"comma list of {list(MODES)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 

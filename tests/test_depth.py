@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from drafting.depth import PROBE_FIRST, PROBE_MAX, DepthController, FixedDepth
+from drafting.depth import PROBE_FIRST, PROBE_MAX, PROBE_ROUNDS, DepthController, FixedDepth
 
 
 def flat(depth: int) -> float:
@@ -82,7 +82,7 @@ def test_a_three_times_stall_does_not_unpark():
     assert sim.run(50).count(0) >= 45
 
 
-def test_probes_back_off_to_512_and_snap_back_when_drafting_pays():
+def test_probes_back_off_to_the_cap_and_snap_back_when_drafting_pays():
     sim = Sim(steep, 0.15, max_depth=4)
     intervals = []
     for _ in range(4000):
@@ -91,10 +91,12 @@ def test_probes_back_off_to_512_and_snap_back_when_drafting_pays():
     assert sim.controller.selected() == 0
     assert intervals[-1] == PROBE_MAX
     seen = sorted(set(intervals))
-    assert seen == [PROBE_FIRST * 2**i for i in range(8)]  # 4, 8, ..., 512 in doublings
-    probes = [i for i, d in enumerate(sim.depths) if d == 1 and i > 100]
-    gaps = np.diff(probes)
-    assert gaps[-1] >= PROBE_MAX  # the last probes come one interval apart
+    doublings = (PROBE_MAX // PROBE_FIRST).bit_length()
+    assert seen == [PROBE_FIRST * 2**i for i in range(doublings)]  # 4, 8, ..., cap
+    late = [i for i, d in enumerate(sim.depths) if d == 1 and i > 2000]
+    starts = [i for i in late if i - 1 not in late]
+    assert all(i + PROBE_ROUNDS - 1 in late for i in starts)  # each probe lasts its rounds
+    assert np.diff(starts).min() >= PROBE_MAX  # probes come one interval apart
     sim.rate = 1.0  # drafting becomes worthwhile; only probes can notice
     for _ in range(20 * PROBE_MAX):
         sim.round()
@@ -102,6 +104,22 @@ def test_probes_back_off_to_512_and_snap_back_when_drafting_pays():
             break
     assert sim.controller.selected() >= 1
     assert sim.controller.state()["probe_interval"] == PROBE_FIRST
+
+
+def test_a_parked_controller_remeasures_the_cost_of_drafting_on_probes():
+    # Depth 1 looks expensive at first (warm-up), then gets cheaper than its acceptance
+    # needs; only the timed second round of each probe can tell the parked controller.
+    sim = Sim(steep, 0.45, max_depth=1)
+    sim.cost = lambda depth: 0.030 if depth == 0 else 0.060
+    sim.run(400)
+    assert sim.controller.selected() == 0
+    sim.cost = lambda depth: 0.030 if depth == 0 else 0.036  # break-even acceptance 0.2
+    for _ in range(40 * PROBE_MAX):
+        sim.round()
+        if sim.controller.selected() == 1:
+            break
+    assert sim.controller.selected() == 1
+    assert sim.controller.cost(1) < 0.045
 
 
 def test_acceptance_ewma_follows_drift():
@@ -152,14 +170,27 @@ def test_cost_interpolates_between_sampled_depths_and_is_flat_beyond():
 def test_cost_samples_are_clamped_and_transitions_dropped():
     now = [0.0]
     controller = DepthController(max_depth=4, clock=lambda: now[0])
-    for depth, seconds in [(0, 1.0), (0, 1.0), (2, 5.0), (2, 2.0), (2, 2.0), (2, 0.5), (2, 0)]:
+    rounds = [(0, 1.0), (0, 1.0), (0, 3.0), (2, 9.0), (2, 5.0), (2, 2.0), (2, 2.0), (2, 2.0)]
+    rounds += [(2, 0.5), (2, 0)]
+    for depth, seconds in rounds:
         controller.round_started(depth)
         now[0] += seconds
-    # depth 0: one sample (the first round had no predecessor); the first depth-2 round was a
-    # transition (dropped); then 2.0 sets, 2.0 keeps, 0.5 is clamped to 2.0 * 0.75
+    # depth 0: one sample (the first round had no predecessor, the third is followed by a
+    # change of depth: 3.0 dropped); the first depth-2 round follows a change (9.0, dropped);
+    # the next four seed by their median (5.0 is a warm-up outlier), then 0.5 is clamped to
+    # 2.0 * 0.75
     state = controller.state()
     assert state["cost_ms"][0] == pytest.approx(1000.0)
     assert state["cost_ms"][2] == pytest.approx(1000 * (2.0 + 0.3 * (1.5 - 2.0)))
+
+
+def test_acceptance_is_the_plain_mean_until_the_ewma_window_fills():
+    controller = DepthController(max_depth=1)
+    outcomes = [0, 1, 1, 0, 1, 1, 1, 0, 1, 1]
+    for i, accepted in enumerate(outcomes):
+        controller.observe(1, accepted)
+        assert controller._rate[1] == pytest.approx(np.mean(outcomes[: i + 1]))
+    assert controller.acceptance(1) == pytest.approx(0.7)
 
 
 def test_state_persists_across_requests_and_the_gap_is_not_a_cost():

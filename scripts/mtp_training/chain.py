@@ -1,0 +1,157 @@
+"""Acceptance of a head drafting k tokens in a row, measured the way the runner drafts.
+
+At every answer position the draft KV holds the committed pairs (token t+1, target hidden t)
+up to the frontier; step 1 runs the frontier pair, step j > 1 feeds the head's own normed
+output and the previous draft token, then the cache rewinds to the committed prefix. Greedy:
+draft j is accepted when it equals the target's argmax there (and 1..j-1 were). Sampling:
+the expected acceptance of draft j is sum_x min(p(x), q(x)) under the sampler's processed
+target (p) and draft (q) distributions; drafts 2..k continue along the target's own sampled
+continuation (the accepted path) with the head's recycled hiddens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from cache.kv import KVCache
+
+from .generate import GenSequence, prefill_mask, processed_topk, step_mask
+
+
+@dataclass
+class SamplingOptions:
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.9
+
+
+def _overlap(p_ids, p_probs, q_ids, q_probs) -> np.ndarray:
+    """sum_x min(p(x), q(x)) per row, for sparse distributions ``[N, k]``."""
+    same = p_ids[:, :, None] == q_ids[:, None, :]
+    mins = np.minimum(p_probs[:, :, None], q_probs[:, None, :])
+    return (mins * same).sum(axis=(1, 2))
+
+
+class ChainResult:
+    """Per draft position j: greedy hits, or expected acceptance, with what was counted."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.rows: list[np.ndarray] = []  # each [depth]: per-step score, NaN = no label
+
+    def add(self, scores: np.ndarray) -> None:
+        self.rows.append(scores)
+
+    def summary(self) -> dict:
+        s = np.array(self.rows, dtype=np.float64).reshape(-1, self.depth)
+        out = {
+            "positions": int(len(s)),
+            "conditional": [],
+            "cumulative": [],
+            "tokens_per_round": [],
+        }
+        prefix = np.ones(len(s))
+        tokens = 1.0
+        for j in range(self.depth):
+            have = ~np.isnan(s[:, j])
+            cum = prefix * np.where(have, s[:, j], 0.0)
+            # conditional on drafts 1..j-1 accepted: sum P(all 1..j) / sum P(all 1..j-1)
+            denom = prefix[have].sum()
+            out["conditional"].append(float(cum[have].sum() / denom) if denom > 0 else None)
+            out["cumulative"].append(float(cum[have].mean()) if have.any() else None)
+            tokens += out["cumulative"][-1] or 0.0
+            out["tokens_per_round"].append(tokens)
+            prefix = cum
+        return out
+
+
+def evaluate_chain(
+    head,
+    target_np,
+    seqs: list[GenSequence],
+    depth: int,
+    sampling: SamplingOptions | None,
+    batch_size: int = 32,
+) -> dict:
+    """Greedy (``sampling=None``) or expected (sampled) acceptance per draft position."""
+    result = ChainResult(depth)
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].prompt_len)
+    for start in range(0, len(order), batch_size):
+        _run_batch(head, target_np, [seqs[i] for i in order[start : start + batch_size]],
+                   depth, sampling, result)  # fmt: skip
+    return result.summary()
+
+
+def _target_dists(target_np, seq: GenSequence, sampling: SamplingOptions):
+    """Processed target distributions at every fed position of ``seq`` (sparse)."""
+    logits = target_np.logits(seq.hiddens.astype(np.float32))
+    return processed_topk(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+def _run_batch(head, target_np, seqs, depth, sampling, result: ChainResult) -> None:
+    vocab = np.array(head.config.draft_vocab) if head.config.draft_vocab is not None else None
+    batch = len(seqs)
+    width = max(s.prompt_len for s in seqs)
+    pads = np.array([width - s.prompt_len for s in seqs])
+    cols = max(pads[b] + len(s.tokens) for b, s in enumerate(seqs))
+    dim = seqs[0].hiddens.shape[1]
+    tok = np.zeros((batch, cols + depth), dtype=np.int32)
+    hid = np.zeros((batch, cols + depth, dim), dtype=np.float32)
+    for b, s in enumerate(seqs):
+        tok[b, pads[b] : pads[b] + len(s.tokens)] = s.tokens
+        hid[b, pads[b] : pads[b] + len(s.hiddens)] = s.hiddens
+    dists = [_target_dists(target_np, s, sampling) for s in seqs] if sampling else None
+    cache = KVCache()
+    # Committed pairs before the first frontier: columns 0..width-2 (pair c = (t_{c+1}, h_c)).
+    if width > 1:
+        mask = mx.array(prefill_mask(pads, width - 1))[:, None]
+        y = head(mx.array(tok[:, 1:width]), mx.array(hid[:, : width - 1]), cache, mask)
+        mx.eval(y, cache.state)
+    last = [pads[b] + len(s.tokens) - 3 for b, s in enumerate(seqs)]  # last frontier column
+    for c in range(width - 1, max(last) + 1):
+        steps_logits = []
+        token = mx.array(tok[:, c + 1 : c + 2])
+        hidden = mx.array(hid[:, c : c + 1])
+        for j in range(depth):
+            mask = mx.array(step_mask(pads, c + j + 1))[:, None]
+            y = head(token, hidden, cache, mask)
+            logits = head.logits(y, None)[:, 0]
+            steps_logits.append(logits)
+            if sampling:
+                token = mx.array(tok[:, c + j + 2 : c + j + 3])
+            else:
+                best = mx.argmax(logits, axis=-1)
+                token = (mx.array(vocab)[best] if vocab is not None else best)[:, None]
+            hidden = y
+        stacked = mx.stack(steps_logits, axis=1)  # [B, depth, Vd]
+        mx.eval(stacked)
+        cache.rewind(c + 1)
+        logits_np = np.array(stacked)
+        if sampling:
+            flat = logits_np.reshape(batch * depth, -1)
+            t, k, p = sampling.temperature, sampling.top_k, sampling.top_p
+            q_ids, q_probs = processed_topk(flat, t, k, p)
+            if vocab is not None:
+                q_ids = vocab[q_ids]
+            q_ids = q_ids.reshape(batch, depth, -1)
+            q_probs = q_probs.reshape(batch, depth, -1)
+        for b, s in enumerate(seqs):
+            i = c - pads[b]  # frontier pair index in the sequence
+            if c > last[b] or i < s.prompt_len - 1:
+                continue
+            scores = np.full(depth, np.nan)
+            for j in range(depth):
+                pos = i + j + 1  # the target's argmax here is the label of draft j+1
+                if pos > len(s.tokens) - 2:
+                    break
+                if sampling:
+                    p_ids, p_probs = dists[b][0][pos][None], dists[b][1][pos][None]
+                    scores[j] = _overlap(p_ids, p_probs, q_ids[b, j][None], q_probs[b, j][None])[0]
+                else:
+                    pred = int(np.argmax(logits_np[b, j]))
+                    pred = int(vocab[pred]) if vocab is not None else pred
+                    scores[j] = float(pred == s.argmax[pos])
+            result.add(scores)

@@ -1,0 +1,221 @@
+"""The generation plan, the on-disk cache of generated batches, and loading it back.
+
+Generation is the slow part, so every batch lands in its own file under the work dir
+(``gen-00042.npz``, written atomically) and a rerun skips the batches already there. Batches
+are dealt round-robin to worker processes that each use one BLAS thread.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import multiprocessing
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+PLAN_FILE = "plan.json"
+
+
+@dataclass
+class Job:
+    """One answer to generate: a rendered prompt at a temperature (0 = greedy)."""
+
+    prompt_index: int
+    temperature: float
+    tokens: list[int]
+    heldout: bool
+
+
+@dataclass
+class GenSettings:
+    target: str
+    max_new_tokens: int
+    batch_size: int
+    top_k: int
+    seed: int
+    top_p: float = 1.0
+
+
+def plan_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
+    """Group jobs of similar prompt length (less padding); held-out jobs first and apart, so
+    that a pilot can train on a partly generated plan and still be measured."""
+    batches: list[list[Job]] = []
+    for heldout in (True, False):
+        part = sorted((j for j in jobs if j.heldout == heldout), key=lambda j: len(j.tokens))
+        batches += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
+    return batches
+
+
+def _key(job: Job) -> tuple:
+    return tuple(job.tokens), job.temperature, job.heldout
+
+
+def prepare_plan(work_dir: str, jobs: list[Job], settings: GenSettings) -> list[list[Job]]:
+    """The work dir's plan for ``jobs``: a new one, the recorded one, or the recorded one
+    extended by batches for jobs it lacks (prompts added to the set), so that cached batches
+    stay valid. A plan made with other generation options, or one that holds jobs no longer
+    asked for, is refused rather than mixed."""
+    os.makedirs(work_dir, exist_ok=True)
+    path = os.path.join(work_dir, PLAN_FILE)
+    if not os.path.exists(path):
+        batches = plan_batches(jobs, settings.batch_size)
+    else:
+        old, old_settings = read_plan(work_dir)
+        wanted = {_key(j): j for j in jobs}
+        have = {_key(j) for b in old for j in b}
+        if old_settings != settings or not have <= set(wanted):
+            raise SystemExit(
+                f"{work_dir} holds data generated with another plan (prompts, template or "
+                "generation options differ); use a fresh --work-dir or delete it"
+            )
+        # Prompt indices follow the current prompt set; the batches keep their jobs.
+        batches = [[wanted[_key(j)] for j in b] for b in old]
+        new = [j for k, j in wanted.items() if k not in have]
+        batches += plan_batches(new, settings.batch_size)
+    plan = {"settings": asdict(settings), "batches": [[asdict(j) for j in b] for b in batches]}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(plan, f)
+    return batches
+
+
+def read_plan(work_dir: str) -> tuple[list[list[Job]], GenSettings]:
+    with open(os.path.join(work_dir, PLAN_FILE), encoding="utf-8") as f:
+        plan = json.load(f)
+    batches = [[Job(**j) for j in b] for b in plan["batches"]]
+    return batches, GenSettings(**plan["settings"])
+
+
+def batch_path(work_dir: str, index: int) -> str:
+    return os.path.join(work_dir, f"gen-{index:05d}.npz")
+
+
+def save_batch(path: str, seqs) -> None:
+    tmp = path + ".tmp.npz"
+    np.savez(
+        tmp,
+        tokens=np.concatenate([s.tokens for s in seqs]),
+        hiddens=np.concatenate([s.hiddens for s in seqs]),
+        argmax=np.concatenate([s.argmax for s in seqs]),
+        lengths=np.array([len(s.tokens) for s in seqs], dtype=np.int64),
+        prompt_lens=np.array([s.prompt_len for s in seqs], dtype=np.int64),
+        prompt_index=np.array([s.prompt_id for s in seqs], dtype=np.int64),
+        temperature=np.array([s.temperature for s in seqs], dtype=np.float32),
+    )
+    os.replace(tmp, path)
+
+
+def generate_worker(work_dir: str, worker: int, workers: int, log_every: float = 60.0) -> None:
+    """Generate this worker's share of the plan's missing batches (runs in a child process)."""
+    import runner  # noqa: F401  (OpenBLAS before mlx)
+    from runner.loader import load_model
+
+    from .generate import generate_batch
+    from .npmodel import NumpyLlama
+
+    batches, settings = read_plan(work_dir)
+    todo = [
+        i
+        for i in range(len(batches))
+        if i % workers == worker and not os.path.exists(batch_path(work_dir, i))
+    ]
+    if not todo:
+        return
+    loaded = load_model(settings.target, pack=False)
+    eos = set(loaded.tokenizer.eos_ids)
+    target = NumpyLlama(loaded.model)
+    del loaded
+    start, made, last = time.time(), 0, 0.0
+    for n, i in enumerate(todo):
+        jobs = batches[i]
+        seqs = generate_batch(
+            target,
+            [j.tokens for j in jobs],
+            [j.temperature for j in jobs],
+            prompt_ids=[j.prompt_index for j in jobs],
+            max_new_tokens=settings.max_new_tokens,
+            eos_ids=eos,
+            seed=settings.seed * 100003 + i,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+        )
+        save_batch(batch_path(work_dir, i), seqs)
+        made += sum(s.answer_len for s in seqs)
+        now = time.time()
+        if now - last >= log_every or n == len(todo) - 1:
+            last = now
+            rate = made / max(now - start, 1e-9)
+            print(
+                f"[gen w{worker}] batch {n + 1}/{len(todo)}  answer tokens {made}  "
+                f"{rate:.1f} tok/s",
+                flush=True,
+            )
+
+
+def run_generation(work_dir: str, workers: int) -> float:
+    """Fill the cache with ``workers`` processes (one BLAS thread each); return seconds."""
+    start = time.time()
+    if workers <= 1:
+        generate_worker(work_dir, 0, 1)
+        return time.time() - start
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=generate_worker, args=(work_dir, w, workers)) for w in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if failed:
+        raise SystemExit(f"generation worker failed (exit codes {failed})")
+    return time.time() - start
+
+
+@dataclass
+class Sequence:
+    """A generated sequence as training sees it (see generate.GenSequence)."""
+
+    prompt_index: int
+    temperature: float
+    prompt_len: int
+    tokens: np.ndarray
+    hiddens: np.ndarray
+    argmax: np.ndarray
+    heldout: bool
+
+
+def load_sequences(work_dir: str, partial: bool = False) -> list[Sequence]:
+    """Every cached sequence, in plan order; a missing batch is an error unless ``partial``."""
+    batches, _ = read_plan(work_dir)
+    out: list[Sequence] = []
+    for i, jobs in enumerate(batches):
+        path = batch_path(work_dir, i)
+        if not os.path.exists(path):
+            if partial:
+                continue
+            raise SystemExit(f"missing generated batch {path}; run generation first")
+        with np.load(path) as z:
+            tok_off = np.concatenate([[0], np.cumsum(z["lengths"])])
+            hid_off = np.concatenate([[0], np.cumsum(z["lengths"] - 1)])
+            tokens, hiddens, argmax = z["tokens"], z["hiddens"], z["argmax"]
+            for s, job in enumerate(jobs):
+                out.append(
+                    Sequence(
+                        prompt_index=job.prompt_index,
+                        temperature=float(z["temperature"][s]),
+                        prompt_len=int(z["prompt_lens"][s]),
+                        tokens=tokens[tok_off[s] : tok_off[s + 1]],
+                        hiddens=hiddens[hid_off[s] : hid_off[s + 1]],
+                        argmax=argmax[hid_off[s] : hid_off[s + 1]],
+                        heldout=job.heldout,
+                    )
+                )
+    return out
+
+
+def cached_batches(work_dir: str) -> int:
+    return len(glob.glob(os.path.join(work_dir, "gen-*.npz")))

@@ -1,0 +1,165 @@
+"""Batched generation with the target that records what head training needs on the fly.
+
+Every fed position t yields the target's post-final-norm hidden h_t and its argmax a_t (the
+target's own prediction of token t+1), so no separate teacher-forced pass is needed. Prompts
+are left-padded into one batch; RoPE is relative, so the padding shift does not change what a
+row attends to, and an additive mask hides the pad columns. The forward pass is
+``npmodel.NumpyLlama`` (see there for why NumPy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .npmodel import NEG, NumpyLlama
+
+
+@dataclass
+class GenSequence:
+    """One prompt + answer. ``tokens[:-1]`` were fed; row t of ``hiddens``/``argmax`` is the
+    target's output after feeding ``tokens[t]`` (``argmax`` is -1 inside the prompt, except
+    at its last position)."""
+
+    prompt_id: int
+    temperature: float
+    prompt_len: int
+    tokens: np.ndarray  # int32 [T]
+    hiddens: np.ndarray  # float16 [T-1, D]
+    argmax: np.ndarray  # int32 [T-1]
+
+    @property
+    def answer_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def prefill_mask(pads: np.ndarray, length: int) -> np.ndarray:
+    """Additive mask ``[B, L, L]``: causal, pad keys hidden (a pad query sees itself)."""
+    q = np.arange(length)[:, None]
+    k = np.arange(length)[None, :]
+    ok = (k <= q)[None] & ((k >= pads[:, None, None]) | (k == q)[None])
+    return np.where(ok, 0.0, NEG).astype(np.float32)
+
+
+def step_mask(pads: np.ndarray, keys: int) -> np.ndarray:
+    """Additive mask ``[B, 1, keys]`` for one new query row per sequence."""
+    ok = np.arange(keys)[None, :] >= pads[:, None]
+    return np.where(ok, 0.0, NEG).astype(np.float32)[:, None]
+
+
+def processed_topk(
+    logits: np.ndarray, temperature: float, top_k: int, top_p: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sampler's processed distribution, sparse: top-k -> temperature -> top-p ->
+    renormalise. Returns candidate ids ``[N, k]`` and their probabilities (0 where top-p cut)."""
+    k = min(top_k or logits.shape[-1], logits.shape[-1])
+    cand = np.argpartition(-logits, k - 1, axis=-1)[:, :k] if k < logits.shape[-1] else None
+    if cand is None:
+        cand = np.broadcast_to(np.arange(logits.shape[-1]), logits.shape)
+    vals = np.take_along_axis(logits, cand, axis=-1).astype(np.float64) / temperature
+    order = np.argsort(-vals, axis=-1)
+    cand = np.take_along_axis(cand, order, axis=-1)
+    vals = np.take_along_axis(vals, order, axis=-1)
+    probs = np.exp(vals - vals[:, :1])
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        before = np.cumsum(probs, axis=-1) - probs  # mass strictly before each candidate
+        probs = np.where(before < top_p, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return cand, probs
+
+
+def draw(
+    logits: np.ndarray,
+    temps: np.ndarray,
+    top_k: int,
+    rng: np.random.Generator,
+    top_p: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy where ``temps`` is 0, else a draw from the processed distribution.
+
+    Returns (tokens, argmax), both int64 ``[B]``."""
+    amax = logits.argmax(axis=-1)
+    out = amax.copy()
+    rows = np.nonzero(temps > 0)[0]
+    for t in np.unique(temps[rows]):
+        sel = rows[temps[rows] == t]
+        cand, probs = processed_topk(logits[sel], float(t), top_k, top_p)
+        u = rng.random(len(sel))[:, None]
+        pick = np.minimum((probs.cumsum(axis=-1) < u).sum(axis=-1), probs.shape[1] - 1)
+        out[sel] = cand[np.arange(len(sel)), pick]
+    return out, amax
+
+
+def generate_batch(
+    target: NumpyLlama,
+    prompts: list[list[int]],
+    temperatures: list[float],
+    *,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos_ids: set[int],
+    seed: int = 0,
+    top_k: int = 40,
+    top_p: float = 1.0,
+    pad_id: int = 0,
+) -> list[GenSequence]:
+    """Generate one answer per prompt (row temperature 0 = greedy), capturing hiddens."""
+    rng = np.random.default_rng(seed)
+    batch = len(prompts)
+    lengths = np.array([len(p) for p in prompts])
+    width = int(lengths.max())
+    pads = width - lengths
+    grid = np.full((batch, width), pad_id, dtype=np.int64)
+    for b, p in enumerate(prompts):
+        grid[b, pads[b] :] = p
+    temps = np.asarray(temperatures, dtype=np.float32)
+    cache = target.new_cache(batch, width + max_new_tokens)
+    hidden = target.hidden(grid, cache, 0, prefill_mask(pads, width))
+    nxt, amax = draw(target.logits(hidden[:, -1]), temps, top_k, rng, top_p)
+    prompt_h = hidden.astype(np.float16)
+    first_argmax = amax
+    out_tokens = [[int(t)] for t in nxt]
+    out_h: list[list[np.ndarray]] = [[] for _ in range(batch)]
+    out_a: list[list[int]] = [[] for _ in range(batch)]
+    rows = np.arange(batch)  # rows[i] = original index of live batch row i
+    done = np.array([out_tokens[b][0] in eos_ids for b in range(batch)])
+    offset = width
+    for _ in range(max_new_tokens - 1):
+        live = ~done[rows]
+        if not live.any():
+            break
+        if live.sum() <= 0.75 * len(rows):  # drop finished rows from the batch
+            keep = np.nonzero(live)[0]
+            rows = rows[keep]
+            for kv in cache:
+                kv[0], kv[1] = kv[0][keep], kv[1][keep]
+        feed = np.array([[out_tokens[r][-1]] for r in rows], dtype=np.int64)
+        h = target.hidden(feed, cache, offset, step_mask(pads[rows], offset + 1))[:, 0]
+        offset += 1
+        nxt, amax = draw(target.logits(h), temps[rows], top_k, rng, top_p)
+        h16 = h.astype(np.float16)
+        for i, r in enumerate(rows):
+            if done[r]:
+                continue
+            out_h[r].append(h16[i])
+            out_a[r].append(int(amax[i]))
+            out_tokens[r].append(int(nxt[i]))
+            done[r] = int(nxt[i]) in eos_ids
+    seqs = []
+    for b in range(batch):
+        hs = [prompt_h[b, pads[b] :]] + ([np.stack(out_h[b])] if out_h[b] else [])
+        amax_prompt = np.full(int(lengths[b]), -1, dtype=np.int32)
+        amax_prompt[-1] = first_argmax[b]
+        seqs.append(
+            GenSequence(
+                prompt_id=prompt_ids[b],
+                temperature=float(temps[b]),
+                prompt_len=int(lengths[b]),
+                tokens=np.array(list(prompts[b]) + out_tokens[b], dtype=np.int32),
+                hiddens=np.concatenate(hs, axis=0),
+                argmax=np.concatenate([amax_prompt, np.array(out_a[b], dtype=np.int32)]),
+            )
+        )
+    return seqs

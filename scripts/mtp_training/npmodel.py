@@ -1,0 +1,194 @@
+"""A NumPy forward pass of a loaded Llama-family target, for bulk generation on CPU.
+
+MLX's CPU backend evaluates ``exp`` one element at a time (tens of ns each), so at batch 48
+the attention softmax and the SwiGLU sigmoid cost more than the matrix products, and the
+attention part grows with the sequence. NumPy's ``exp`` is vectorised and its matmuls go to
+OpenBLAS, which roughly doubles generation throughput here. The weights are the target's own
+(read from the loaded MLX model); the outputs match MLX to float32 rounding (the test checks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mlx.utils import tree_flatten
+
+NEG = np.float32(-1e9)
+
+
+def _np(a) -> np.ndarray:
+    import mlx.core as mx
+
+    return np.array(a.astype(mx.float32), dtype=np.float32, copy=True)
+
+
+def _embedding_table(model) -> np.ndarray:
+    """The ``[V, D]`` input embedding, dequantized if needed."""
+    import mlx.nn as nn
+
+    if model.args.tie_word_embeddings or not isinstance(model.model.embed_tokens, nn.Embedding):
+        if model.args.tie_word_embeddings:
+            return _np(model.output_weight())
+        e = model.model.embed_tokens
+        return _np(mx_dequantize(e))
+    return _np(model.model.embed_tokens.weight)
+
+
+def mx_dequantize(e):
+    import mlx.core as mx
+
+    return mx.dequantize(e.weight, e.scales, e.get("biases"), e.group_size, e.bits)
+
+
+def rope_periods(rope) -> tuple[np.ndarray, float]:
+    """Per-pair periods (1 / inverse frequency) and the position scale of an MLX RoPE module."""
+    if rope._freqs is not None:
+        return np.array(rope._freqs, dtype=np.float64), 1.0
+    exps = np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims
+    return rope.base**exps, float(rope.scale)
+
+
+def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    var = np.mean(np.square(x), axis=-1, keepdims=True)
+    return (x / np.sqrt(var + eps)) * w
+
+
+class NumpyLlama:
+    """Holds float32 copies of the target's weights (transposed for ``x @ w``)."""
+
+    def __init__(self, model) -> None:
+        from runner.models.layers import dense_weight
+
+        args = model.args
+        self.args = args
+        self.eps = float(args.rms_norm_eps)
+        self.n_heads, self.n_kv = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = np.float32(args.head_dim**-0.5)
+        rope = model.layers[0].self_attn.rope
+        self.rope_dims, self.traditional = rope.dims, rope.traditional
+        self.periods, self.pos_scale = rope_periods(rope)
+        self.embed = _embedding_table(model)
+        self.out_t = np.ascontiguousarray(_np(model.output_weight()).T)
+        self.norm = _np(model.model.norm.weight)
+        self.layers = []
+        for layer in model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            params = dict(tree_flatten(layer.parameters()))
+            w = {
+                "qkv": np.ascontiguousarray(
+                    np.concatenate(
+                        [_np(dense_weight(m)) for m in (att.q_proj, att.k_proj, att.v_proj)]
+                    ).T
+                ),
+                "o": np.ascontiguousarray(_np(dense_weight(att.o_proj)).T),
+                "gate_up": np.ascontiguousarray(
+                    np.concatenate(
+                        [_np(dense_weight(mlp.gate_proj)), _np(dense_weight(mlp.up_proj))]
+                    ).T
+                ),
+                "down": np.ascontiguousarray(_np(dense_weight(mlp.down_proj)).T),
+                "ln1": _np(layer.input_layernorm.weight),
+                "ln2": _np(layer.post_attention_layernorm.weight),
+            }
+            if "self_attn.q_proj.bias" in params:
+                w["qkv_b"] = np.concatenate(
+                    [_np(params[f"self_attn.{p}_proj.bias"]) for p in "qkv"]
+                )
+            for name, key in (("self_attn.o_proj.bias", "o_b"), ("mlp.down_proj.bias", "down_b")):
+                if name in params:
+                    w[key] = _np(params[name])
+            if "mlp.gate_proj.bias" in params:
+                w["gate_up_b"] = np.concatenate(
+                    [_np(params["mlp.gate_proj.bias"]), _np(params["mlp.up_proj.bias"])]
+                )
+            if "q_norm" in att:
+                w["q_norm"], w["k_norm"] = _np(att.q_norm.weight), _np(att.k_norm.weight)
+            self.layers.append(w)
+
+    def new_cache(self, batch: int, capacity: int) -> list[list[np.ndarray]]:
+        """Per-layer [keys, values] buffers ``[B, kv_heads, capacity, head_dim]``.
+
+        Filled explicitly: pages of a lazily zeroed buffer fault on first touch, which made
+        the cache writes the slowest part of a decode step."""
+        shape = (batch, self.n_kv, capacity, self.head_dim)
+        cache = []
+        for _ in self.layers:
+            k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
+            k.fill(0.0)
+            v.fill(0.0)
+            cache.append([k, v])
+        return cache
+
+    def _rope_table(self, offset: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        pos = (np.arange(offset, offset + length, dtype=np.float64) * self.pos_scale)[:, None]
+        theta = pos / self.periods[None, :]
+        return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+    def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Rotate ``x`` ``[B, H, L, hd]`` (MLX's conventions: halves, or adjacent pairs)."""
+        d = self.rope_dims
+        rot, rest = x[..., :d], x[..., d:]
+        if self.traditional:
+            a, b = rot[..., 0::2], rot[..., 1::2]
+            out = np.empty_like(rot)
+            out[..., 0::2] = a * cos - b * sin
+            out[..., 1::2] = a * sin + b * cos
+        else:
+            a, b = rot[..., : d // 2], rot[..., d // 2 :]
+            out = np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+        return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+    def hidden(self, tokens: np.ndarray, cache, offset: int, mask: np.ndarray) -> np.ndarray:
+        """Post-final-norm hiddens ``[B, L, D]`` for ``tokens`` ``[B, L]`` written at ``offset``.
+
+        ``mask`` is additive, ``[B, L, offset+L]``."""
+        batch, length = tokens.shape
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        rep = nh // nkv
+        # Rows flattened to 2-D: numpy runs ``[B, L, D] @ W`` as B separate products.
+        x = self.embed[tokens.reshape(-1)]
+        end = offset + length
+        bias = mask[:, None, None]  # [B, 1, 1, L, S]
+        cos, sin = self._rope_table(offset, length)
+        for w, kv in zip(self.layers, cache, strict=True):
+            h = _rms_norm(x, w["ln1"], self.eps) @ w["qkv"]
+            if "qkv_b" in w:
+                h = h + w["qkv_b"]
+            q = h[:, : nh * hd].reshape(batch, length, nh, hd).transpose(0, 2, 1, 3)
+            k = h[:, nh * hd : (nh + nkv) * hd].reshape(batch, length, nkv, hd)
+            v = h[:, (nh + nkv) * hd :].reshape(batch, length, nkv, hd)
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+            if "q_norm" in w:
+                q = _rms_norm(q, w["q_norm"], self.eps)
+                k = _rms_norm(k, w["k_norm"], self.eps)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            kv[0][:, :, offset:end] = k
+            kv[1][:, :, offset:end] = v
+            keys, values = kv[0][:, :, :end], kv[1][:, :, :end]
+            qg = q.reshape(batch, nkv, rep, length, hd) * self.scale
+            scores = np.matmul(qg, keys[:, :, None].swapaxes(-1, -2)) + bias
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            att = np.matmul(scores, values[:, :, None])  # [B, nkv, rep, L, hd]
+            att = att.reshape(batch, nh, length, hd).transpose(0, 2, 1, 3)
+            o = att.reshape(batch * length, nh * hd) @ w["o"]
+            if "o_b" in w:
+                o = o + w["o_b"]
+            x = x + o
+            gu = _rms_norm(x, w["ln2"], self.eps) @ w["gate_up"]
+            if "gate_up_b" in w:
+                gu = gu + w["gate_up_b"]
+            inter = gu.shape[-1] // 2
+            g, u = gu[:, :inter], gu[:, inter:]
+            with np.errstate(over="ignore"):
+                act = g / (1.0 + np.exp(-g)) * u
+            d = act @ w["down"]
+            if "down_b" in w:
+                d = d + w["down_b"]
+            x = x + d
+        out = _rms_norm(x, self.norm, self.eps).astype(np.float32)
+        return out.reshape(batch, length, -1)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return hidden @ self.out_t
