@@ -22,10 +22,11 @@ from two measured models:
 
 Depth 0 (plain decoding) is a real option, measured like any other, so speculation never
 settles on being slower than plain decoding. The search stops one position past the deepest
-trusted position and at ``max_depth`` (``--max-draft``). Every so often the controller probes
+trusted position (not at all when that position's rate is under 0.1) and at ``max_depth``
+(``--max-draft``). Every so often the controller probes
 one depth deeper than its choice for three rounds (so the middle one is timed: a parked
 controller would otherwise never re-measure the cost of drafting); the interval starts at 4
-rounds and doubles after each probe that did not change the choice, up to 128, and snaps back
+rounds and doubles after each probe that did not change the choice, up to 256, and snaps back
 to 4 when the choice changes. A depth in range that has no cost sample yet is drafted before
 anything else (cost seeding).
 """
@@ -42,7 +43,8 @@ TRUSTED_AFTER = 10  # acceptance samples before a position's rate is believed
 COST_CLAMP = 0.25  # largest relative move of a cost EWMA per sample
 COST_SEED_SAMPLES = 4  # samples combined by their median before the EWMA takes over
 PROBE_FIRST = 4
-PROBE_MAX = 128  # a probe costs a useless head ~3 * 0.3 steps per 128 tokens (< 1%)
+PROBE_MAX = 256  # a probe costs a useless head ~3 * 0.3 steps per 256 tokens (< 0.4%)
+EXTEND_ABOVE = 0.1  # look one position past the frontier only above this acceptance
 PROBE_ROUNDS = 3  # rounds per probe; only the middle one is timed
 DEFAULT_MAX_DEPTH = 8
 
@@ -143,7 +145,12 @@ class DepthController:
         return depth
 
     def limit(self) -> int:
-        return min(self.frontier() + 1, self.max_depth)
+        """Deepest depth worth considering: one past the trusted frontier, unless drafts at
+        the frontier are almost never accepted (then a deeper one cannot pay)."""
+        frontier = self.frontier()
+        if frontier > 0 and self._rate[frontier] < EXTEND_ABOVE:
+            return frontier
+        return min(frontier + 1, self.max_depth)
 
     def cost(self, depth: int) -> float | None:
         """Round cost at ``depth``: sampled, interpolated, or flat beyond the sampled range."""

@@ -28,6 +28,7 @@ from runner.decoder import Cancelled, Outcome, PlainDecoder, PlainLoop, decode_p
 from runner.draft_loader import load_draft_head
 from runner.emit import OPEN_MARKER, Emitter
 from runner.loader import LoadedModel, load_model
+from runner.models.layers import add_row_layout
 from runner.sampler import Sampler, SamplingParams
 from runner.speculative import MlxRoundOps, decode_speculative, guarded
 
@@ -64,6 +65,9 @@ class EngineOptions:
     dtype: str = "auto"
     keep_quantized: bool | None = None
     pack: bool | None = None
+    # With a head on a packed model, also keep the [out, in] weights for verify rows
+    # (6-12% cheaper verification, the weights' memory once more; runner.models.layers).
+    row_layout: bool = True
 
 
 @dataclass
@@ -121,6 +125,8 @@ class Engine:
         mtp_detail = "no draft head (disabled by --no-draft)"
         if options.use_draft:
             self.head, mtp_detail = load_draft_head(self.loaded, options.draft_path, auto=True)
+        if self.head is not None and options.row_layout:
+            add_row_layout(self.model)
         self.draft_cache = KVCache() if self.head is not None else None
         self.all_caches = [*self.caches] + ([self.draft_cache] if self.draft_cache else [])
         self.prefix: PrefixCache = self._make_prefix_cache()

@@ -28,15 +28,16 @@ CONFIGS = {
 
 
 def worker(args: argparse.Namespace) -> None:
+    import runner  # noqa: I001  (first: the BLAS preload must happen before mlx is imported)
     import mlx.core as mx
-
-    import runner
     from runner.loader import load_model
 
     loaded = load_model(args.model, keep_quantized=args.keep_quantized, pack=not args.no_pack)
     model = loaded.model
     prompt = mx.array([[(i * 7919) % 40000 + 100 for i in range(args.prefill)]], dtype=mx.int32)
 
+    warm = model.make_caches()  # first-use costs (allocations, BLAS threads) are not timed
+    mx.eval(model.hidden(prompt[:, :16], warm), [c.state for c in warm])
     caches = model.make_caches()
     t = time.perf_counter()
     h = model.hidden(prompt, caches)

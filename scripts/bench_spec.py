@@ -3,7 +3,8 @@
 For each sampling mode (greedy, temperature 0.7) and each of 10 prompts, the same engine serves
 the prompt once with `speculative: false` and once with speculation (adaptive depth unless
 --depth is given), interleaved. Decode speed is eval_tokens / eval_ns from the done frames.
-Prints tokens/s, the ratio, acceptance per draft position and the depths the controller chose,
+Prints tokens/s, the ratio, acceptance per draft position (position 1 counted, deeper ones the
+controller's running estimate) and the depths the controller chose,
 and writes JSON under bench-results/.
 
     python scripts/bench_spec.py                 # the shipped head (or --draft DIR)
@@ -134,9 +135,13 @@ def main() -> int:
                   f"x{tps_s / tps_p:.2f}  depth {sp.final_depth}  {prompt[:40]}")  # fmt: skip
         plain_tps = plain_n / plain_t * 1e9
         spec_tps = spec_n / spec_t * 1e9
-        # Per position i: P(draft i accepted | drafts 1..i-1 accepted), from the round histogram.
-        reach = [sum(histogram[i:]) for i in range(len(histogram))]
-        position = [reach[i] / reach[i - 1] if reach[i - 1] else None for i in range(1, len(reach))]
+        # Position 1 is exact from the round histogram (every round drafts it). Deeper positions
+        # come from the controller, which knows each round's depth (the histogram does not:
+        # a depth-1 round that accepted its draft never tried a second one).
+        first = 1.0 - histogram[0] / rounds if rounds else None
+        position = [first, *engine.depth.state()["acceptance"][1:]]
+        while position and position[-1] is None:
+            position.pop()
         result = {
             "plain_tps": plain_tps,
             "spec_tps": spec_tps,
@@ -157,11 +162,15 @@ def main() -> int:
         rows.append((mode, result))
 
     print()
-    print("| mode | plain tok/s | speculative tok/s | ratio | acceptance by position | depths |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| mode | plain tok/s | speculative tok/s | ratio | median prompt ratio "
+        "| acceptance by position | depths |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for mode, r in rows:
-        acc = ", ".join(f"{a:.2f}" for a in r["acceptance_by_position"] if a is not None) or "-"
+        acc = ", ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"])
         print(f"| {mode} | {r['plain_tps']:.2f} | {r['spec_tps']:.2f} | {r['ratio']:.2f}x | "
+              f"{r['median_prompt_ratio']:.2f}x | "
               f"{acc} | {sorted(set(r['final_depths']))} |")  # fmt: skip
     out = args.out or os.path.join(
         ROOT, "bench-results", "spec-random.json" if args.random_head else "spec.json"

@@ -70,7 +70,8 @@ def test_poor_acceptance_on_steep_cost_parks_at_a_measured_depth_zero():
 
 
 def test_a_three_times_stall_does_not_unpark():
-    sim = Sim(steep, 0.4)
+    # Acceptance 0.25: clearly parked (depth 1 would need 0.63), whatever the EWMA's noise.
+    sim = Sim(steep, 0.25)
     sim.run(3000)
     while sim.depths[-1] != 0 or sim.session.depth != 0:
         sim.round()
@@ -242,3 +243,11 @@ def test_fixed_depth_is_constant():
     fixed.round_finished(3, 0)
     assert fixed.enabled and fixed.depth == 3
     assert not FixedDepth(0).enabled
+
+
+def test_a_useless_head_is_never_drafted_deeper_than_one():
+    sim = Sim(steep, 0.0)
+    sim.run(2000)
+    assert max(sim.depths) == 1  # position 1 never pays: no depth-2 cost seeding, no probes
+    assert 2 not in sim.controller.state()["cost_ms"]
+    assert sim.depths[-1000:].count(1) <= 3 * (1000 // PROBE_MAX + 1)  # only timed probes

@@ -121,3 +121,27 @@ def test_batched_rows_are_independent(tiny_checkpoint):
     both = model.forward(mx.array([a, b]), model.make_caches())[0]
     one = model.forward(mx.array([b]), model.make_caches())[0]
     np.testing.assert_allclose(np.array(both[1]), np.array(one[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_row_layout_serves_verify_rows_with_the_same_results(checkpoint_factory):
+    from runner.models.layers import MAX_ROWS_LEFT, add_row_layout
+
+    model = load_model(checkpoint_factory("qwen2"), pack=True).model  # biases too
+
+    def feed(rows: int):
+        caches = model.make_caches()
+        model.forward(mx.array([TOKENS[:PREFIX]]), caches)  # a prefill-sized chunk
+        return model.forward(mx.array([TOKENS[PREFIX : PREFIX + rows]]), caches)[0]
+
+    PREFIX = MAX_ROWS_LEFT + 1
+    assert PREFIX + 3 <= len(TOKENS)
+    before = {rows: feed(rows) for rows in (1, 2, 3)}
+    assert add_row_layout(model) == 7 * len(model.layers)  # q, k, v, o, gate, up, down
+    for rows, logits in before.items():
+        np.testing.assert_allclose(np.array(feed(rows)), np.array(logits), atol=1e-4, rtol=1e-4)
+    # The copy is what multi-row feeds read (and only they): spoil it and only they change.
+    for _, child in model.named_modules():
+        if "_w_rows" in child:
+            child._w_rows = mx.zeros_like(child._w_rows)
+    np.testing.assert_allclose(np.array(feed(1)), np.array(before[1]), atol=1e-4, rtol=1e-4)
+    assert float(mx.abs(feed(3) - before[3]).max()) > 1e-2

@@ -11,6 +11,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+# Verify batches of 2-16 rows run 6-12% faster as ``W @ x.T`` than as ``x @ Wt`` with this
+# OpenBLAS (measured on SmolLM2-135M, interleaved); one row is 2-4% slower that way.
+MAX_ROWS_LEFT = 16
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight may live transposed in ``_wt`` (not a parameter)."""
@@ -19,7 +23,13 @@ class Linear(nn.Linear):
         wt = self.get("_wt")
         if wt is None:
             return super().__call__(x)
-        y = x @ wt
+        w = self.get("_w_rows")
+        rows = x.size // x.shape[-1]
+        if w is not None and 1 < rows <= MAX_ROWS_LEFT:
+            # A few rows (a speculative verify): the weight as the left operand is faster.
+            y = (w @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], -1)
+        else:
+            y = x @ wt
         return y + self["bias"] if "bias" in self else y
 
     def pack(self) -> None:
@@ -45,4 +55,16 @@ def pack_for_cpu(module: nn.Module) -> int:
         if isinstance(child, Linear) and "weight" in child:
             child.pack()
             count += 1
+    return count
+
+
+def add_row_layout(module: nn.Module) -> int:
+    """Keep a ``[out, in]`` copy of every packed weight below ``module`` for multi-row products
+    (speculative verification); costs the weights' memory once more. Returns how many."""
+    count = 0
+    for _, child in module.named_modules():
+        if isinstance(child, Linear) and "_wt" in child and "_w_rows" not in child:
+            child._w_rows = mx.contiguous(child._wt.T)
+            count += 1
+    mx.eval([c._w_rows for _, c in module.named_modules() if "_w_rows" in c])
     return count
