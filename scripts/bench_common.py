@@ -93,6 +93,20 @@ def corpus_text() -> str:
 
 
 # ----------------------------------------------------------------------------- runner pipe
+
+
+def close_child(proc: subprocess.Popen, log) -> None:
+    """Close a child's stdin (its signal to exit), wait a minute, kill it if it hangs."""
+    if proc.poll() is None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+
+
 class PipeRunner:
     """``python -m runner`` as a child process; frames are timestamped when read."""
 
@@ -149,14 +163,7 @@ class PipeRunner:
                 return {"tokens": tokens, "done_at": now, "done": frame}
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        close_child(self.proc, self._log)
 
 
 # ----------------------------------------------------------------------------- workers
@@ -186,14 +193,7 @@ class Worker:
         return self.read()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        close_child(self.proc, self._log)
 
 
 def serve_worker(info: dict, handle: Callable[[dict], dict]) -> None:

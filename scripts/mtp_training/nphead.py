@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .npmodel import rope_periods
+from .npmodel import rope_periods, rope_rotate, rope_table
 
 # head parameter name -> (numpy key, transposed?) for the weights that are matrices
 _LINEARS = {
@@ -132,23 +132,10 @@ class NumpyHead:
     # -- rotary embeddings -----------------------------------------------------------------
 
     def _rope_table(self, length: int):
-        pos = (np.arange(length, dtype=np.float64) * self.pos_scale)[:, None]
-        theta = pos / self.periods[None, :]
-        return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        return rope_table(0, length, self.pos_scale, self.periods)
 
     def _rotate(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """Rotate ``[B, H, L, hd]`` by the angles (``-sin`` rotates back: the backward pass)."""
-        d = self.rope_dims
-        rot, rest = x[..., :d], x[..., d:]
-        if self.traditional:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            out = np.empty_like(rot)
-            out[..., 0::2] = a * cos - b * sin
-            out[..., 1::2] = a * sin + b * cos
-        else:
-            a, b = rot[..., : d // 2], rot[..., d // 2 :]
-            out = np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
-        return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+        return rope_rotate(x, cos, sin, self.rope_dims, self.traditional)
 
     # -- forward / backward ----------------------------------------------------------------
 

@@ -52,6 +52,28 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(var + eps)) * w
 
 
+def rope_table(offset: int, length: int, pos_scale: float, periods: np.ndarray):
+    """cos and sin ``[length, dims/2]`` for positions ``offset..offset+length-1``."""
+    pos = (np.arange(offset, offset + length, dtype=np.float64) * pos_scale)[:, None]
+    theta = pos / periods[None, :]
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+def rope_rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dims: int, traditional: bool):
+    """Rotate ``x`` ``[B, H, L, hd]`` (MLX's conventions: halves, or adjacent pairs); ``-sin``
+    rotates back (the backward pass)."""
+    rot, rest = x[..., :dims], x[..., dims:]
+    if traditional:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = np.empty_like(rot)
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = a * sin + b * cos
+    else:
+        a, b = rot[..., : dims // 2], rot[..., dims // 2 :]
+        out = np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
 class NumpyLlama:
     """Holds float32 copies of the target's weights (transposed for ``x @ w``)."""
 
@@ -120,23 +142,10 @@ class NumpyLlama:
         return cache
 
     def _rope_table(self, offset: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        pos = (np.arange(offset, offset + length, dtype=np.float64) * self.pos_scale)[:, None]
-        theta = pos / self.periods[None, :]
-        return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        return rope_table(offset, length, self.pos_scale, self.periods)
 
     def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """Rotate ``x`` ``[B, H, L, hd]`` (MLX's conventions: halves, or adjacent pairs)."""
-        d = self.rope_dims
-        rot, rest = x[..., :d], x[..., d:]
-        if self.traditional:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            out = np.empty_like(rot)
-            out[..., 0::2] = a * cos - b * sin
-            out[..., 1::2] = a * sin + b * cos
-        else:
-            a, b = rot[..., : d // 2], rot[..., d // 2 :]
-            out = np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
-        return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+        return rope_rotate(x, cos, sin, self.rope_dims, self.traditional)
 
     def hidden(self, tokens: np.ndarray, cache, offset: int, mask: np.ndarray) -> np.ndarray:
         """Post-final-norm hiddens ``[B, L, D]`` for ``tokens`` ``[B, L]`` written at ``offset``.
