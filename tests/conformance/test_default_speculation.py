@@ -59,7 +59,7 @@ async def test_greedy_with_speculation_equals_without(default_model, head_args):
     runner = await RunnerProcess.start([*cmd, *head_args])
     try:
         assert runner.ready["mtp"], runner.ready["mtp_detail"]
-        rounds = 0
+        rounds = accepted = 0
         for question in PROMPTS:
             outputs = {}
             for speculative in (True, False):
@@ -73,10 +73,13 @@ async def test_greedy_with_speculation_equals_without(default_model, head_args):
                 outputs[speculative] = (ids_of(tokens), done["done_reason"], done["eval_tokens"])
                 if speculative:
                     rounds += done["speculation"]["rounds"]
+                    accepted += done["speculation"]["accepted"]
                 else:
                     assert done["speculation"]["rounds"] == 0
             assert outputs[True] == outputs[False], question
         assert rounds >= len(PROMPTS)  # speculation really ran
+        if not head_args:  # the shipped head: its drafts are accepted, so commits span rows
+            assert accepted >= rounds // 4, (accepted, rounds)
     finally:
         await runner.stop()
     assert not runner.violations, runner.violations[:5]
