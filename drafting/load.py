@@ -272,7 +272,7 @@ def read_sidecar(directory: str) -> Sidecar:
         )
     target = config.get("target")
     if not isinstance(target, dict) or not all(
-        isinstance(target.get(k), int) for k in ("hidden_size", "vocab_size", "num_hidden_layers")
+        isinstance(target.get(k), int) for k in TARGET_SHAPE_KEYS
     ):
         raise HeadLoadError(
             "'target' must give integer hidden_size, vocab_size and num_hidden_layers",
@@ -328,6 +328,15 @@ def _read_draft_vocab(
             f"draft vocabulary ids must lie in [0, {vocab_size})", path, DRAFT_VOCAB_TENSOR
         )
     return [int(v) for v in values]
+
+
+# What a head must match in its target (any family with these shapes fits).
+TARGET_SHAPE_KEYS = ("hidden_size", "vocab_size", "num_hidden_layers")
+
+
+def sidecar_target(args) -> dict:
+    """The ``target`` block of a sidecar config, from a model's args."""
+    return {key: getattr(args, key) for key in ("model_type", *TARGET_SHAPE_KEYS)}
 
 
 def write_sidecar(

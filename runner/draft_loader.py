@@ -17,6 +17,7 @@ import mlx.core as mx
 from drafting.head import HeadConfig, MTPHead
 from drafting.load import (
     HIDDEN_FIRST,
+    TARGET_SHAPE_KEYS,
     HeadLoadError,
     Sidecar,
     dequantize_mapped,
@@ -145,12 +146,8 @@ def load_sidecar_head(loaded: LoadedModel, directory: str) -> MTPHead:
 
 def _check_target(loaded: LoadedModel, sidecar: Sidecar) -> None:
     args = loaded.model.args
-    have = {
-        "hidden_size": args.hidden_size,
-        "vocab_size": args.vocab_size,
-        "num_hidden_layers": args.num_hidden_layers,
-    }
-    for key, value in have.items():
+    for key in TARGET_SHAPE_KEYS:
+        value = getattr(args, key)
         if sidecar.target[key] != value:
             raise DraftHeadError(
                 f"head was made for a target with {key} {sidecar.target[key]}, "

@@ -5,25 +5,16 @@ from __future__ import annotations
 import mlx.core as mx
 
 from drafting.head import MTPHead
-from drafting.load import write_sidecar
+from drafting.load import sidecar_target, write_sidecar
 from tests.test_head import random_head
-
-
-def sidecar_target(loaded) -> dict:
-    """The ``target`` block of a sidecar config for ``loaded``."""
-    args = loaded.model.args
-    return {
-        "model_type": args.model_type,
-        "hidden_size": args.hidden_size,
-        "vocab_size": args.vocab_size,
-        "num_hidden_layers": args.num_hidden_layers,
-    }
 
 
 def write_head(directory: str, loaded, head: MTPHead | None = None) -> str:
     """Write ``head`` (default: a seeded random head) as a Qwen3-Next-named sidecar."""
     head = head if head is not None else random_head(loaded)
-    return write_sidecar(directory, head, naming="qwen3_next", target=sidecar_target(loaded))
+    return write_sidecar(
+        directory, head, naming="qwen3_next", target=sidecar_target(loaded.model.args)
+    )
 
 
 def echo_head(loaded, seed: int = 9) -> MTPHead:

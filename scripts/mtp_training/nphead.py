@@ -45,6 +45,14 @@ def rms_forward(x: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, n
     return x * r * w, r
 
 
+def linear_backward(p: dict, grads: dict, name: str, x: np.ndarray, dy: np.ndarray):
+    """Store the gradients of ``y = x @ p[name] (+ p[name_b])`` in ``grads``; return dL/dx."""
+    grads[name] = x.T @ dy
+    if f"{name}_b" in p:
+        grads[f"{name}_b"] = dy.sum(axis=0)
+    return dy @ p[name].T
+
+
 def rms_backward(dy: np.ndarray, x: np.ndarray, r: np.ndarray, w: np.ndarray):
     """Gradients of ``x * r * w`` for the input and the gain."""
     xr = x * r
@@ -237,27 +245,18 @@ class NumpyHead:
         dx2 = np.zeros((batch * length, dy.shape[1]), dtype=np.float32)
         np.add.at(dx2, s["rows"], dx2r)
         # MLP
-        grads["down"] = s["act"].T @ dx2
-        if "down_b" in p:
-            grads["down_b"] = dx2.sum(axis=0)
-        dact = dx2 @ p["down"].T
+        dact = linear_backward(p, grads, "down", s["act"], dx2)
         if s["keep_act"] is not None:
             dact *= s["keep_act"]
         g, u, sig = s["g"], s["u"], s["sig"]
         du = dact * g * sig
         dg = dact * u * sig * (1.0 + g * (1.0 - sig))
         dgu = np.concatenate([dg, du], axis=1)
-        grads["gate_up"] = s["m"].T @ dgu
-        if "gate_up_b" in p:
-            grads["gate_up_b"] = dgu.sum(axis=0)
-        dm = dgu @ p["gate_up"].T
+        dm = linear_backward(p, grads, "gate_up", s["m"], dgu)
         dx1_norm, grads["ln2"] = rms_backward(dm, s["x1"], s["r_2"], p["ln2"])
         dx1 = dx2 + dx1_norm
         # attention
-        grads["o"] = s["o_in"].T @ dx1
-        if "o_b" in p:
-            grads["o_b"] = dx1.sum(axis=0)
-        d_oin = dx1 @ p["o"].T
+        d_oin = linear_backward(p, grads, "o", s["o_in"], dx1)
         if s["keep_o"] is not None:
             d_oin *= s["keep_o"]
         datt = d_oin.reshape(batch, length, nh, hd).transpose(0, 2, 1, 3)
@@ -279,15 +278,11 @@ class NumpyHead:
         dqkv = np.concatenate(
             [t.transpose(0, 2, 1, 3).reshape(batch * length, -1) for t in (dq, dk, dv)], axis=1
         )
-        grads["qkv"] = s["a"].T @ dqkv
-        if "qkv_b" in p:
-            grads["qkv_b"] = dqkv.sum(axis=0)
-        da = dqkv @ p["qkv"].T
+        da = linear_backward(p, grads, "qkv", s["a"], dqkv)
         dx0_norm, grads["ln1"] = rms_backward(da, s["x0"], s["r_1"], p["ln1"])
         dx0 = dx1 + dx0_norm
         # fc and the input norms (the embedding and the target hidden are frozen)
-        grads["fc"] = s["c"].T @ dx0
-        dc = dx0 @ p["fc"].T
+        dc = linear_backward(p, grads, "fc", s["c"], dx0)
         dim = dc.shape[1] // 2
         _, grads["norm_e"] = rms_backward(dc[:, :dim], s["e"], s["r_e"], p["norm_e"])
         _, grads["norm_h"] = rms_backward(dc[:, dim:], s["h"], s["r_h"], p["norm_h"])

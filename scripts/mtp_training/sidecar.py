@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from drafting.head import HeadConfig, MTPHead
-from drafting.load import write_sidecar
+from drafting.load import sidecar_target, write_sidecar
 from runner.models.layers import dense_weight
 from runner.models.llama import DecoderLayer
 
@@ -74,19 +74,9 @@ def match_residual_scale(head: MTPHead, model, tokens: list[int]) -> float:
     return factor
 
 
-def target_record(model) -> dict:
-    a = model.args
-    return {
-        "model_type": a.model_type,
-        "hidden_size": a.hidden_size,
-        "vocab_size": a.vocab_size,
-        "num_hidden_layers": a.num_hidden_layers,
-    }
-
-
 def write_head(out_dir: str, head: MTPHead, model, training: dict) -> None:
     """Write ``head`` as a float16 sidecar in the Qwen3-Next naming (drafting.load's format)."""
     write_sidecar(
-        out_dir, head, naming="qwen3_next", target=target_record(model), training=training,
+        out_dir, head, naming="qwen3_next", target=sidecar_target(model.args), training=training,
         dtype=mx.float16,
     )  # fmt: skip
