@@ -145,3 +145,46 @@ def test_row_layout_serves_verify_rows_with_the_same_results(checkpoint_factory)
             child._w_rows = mx.zeros_like(child._w_rows)
     np.testing.assert_allclose(np.array(feed(1)), np.array(before[1]), atol=1e-4, rtol=1e-4)
     assert float(mx.abs(feed(3) - before[3]).max()) > 1e-2
+
+
+ROPE_VARIANTS = [
+    ({}, False),
+    ({}, True),
+    ({"type": "linear", "factor": 4.0}, False),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, False),
+    ({"rope_type": "freq_factors", "factors": [1.0, 2.0, 4.0, 8.0, 1.5, 3.0, 1.0, 2.5]}, True),
+]
+
+
+@pytest.mark.parametrize(("scaling", "traditional"), ROPE_VARIANTS)
+@pytest.mark.parametrize("offset", [0, 37, 1500])
+def test_rope_tables_rotate_like_mlx_fast_rope(scaling, traditional, offset):
+    from runner.models.rope import RoPE
+
+    rope = RoPE(16, base=10000.0, traditional=traditional, scaling=scaling or None)
+    x = mx.random.normal((1, 3, 5, 16), key=mx.random.key(offset))
+    kwargs = {"base": None, "freqs": rope._freqs} if rope._freqs is not None else {"base": 1e4}
+    expected = mx.fast.rope(
+        x, 16, traditional=traditional, scale=rope.scale, offset=offset, **kwargs
+    )
+    got = rope.apply(x, rope.tables(offset, 5))
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-4, rtol=1e-4)
+
+
+def test_attention_masks_agree_with_mlx_attention(tiny_checkpoint):
+    """The grouped attention (None / "causal" / a shared [L, T] mask) equals MLX's own."""
+    from runner.models.llama import causal_mask
+
+    model = load_model(tiny_checkpoint).model
+    attn = model.layers[0].self_attn
+    heads, groups, dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q = mx.random.normal((1, heads, 4, dim), key=mx.random.key(1))
+    k = mx.random.normal((1, groups, 10, dim), key=mx.random.key(2))
+    v = mx.random.normal((1, groups, 10, dim), key=mx.random.key(3))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask="causal")
+    for mask in ("causal", causal_mask(6, 4), causal_mask(6, 4) == 0):
+        got = attn._attend(q, k, v, mask)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+    one = mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=attn.scale)
+    got = attn._attend(q[:, :, :1], k, v, None)
+    np.testing.assert_allclose(np.array(got), np.array(one), atol=1e-5, rtol=1e-5)

@@ -13,7 +13,7 @@ import mlx.nn as nn
 
 from cache.kv import KVCache
 from runner.models.layers import Linear, dense_weight, pack_for_cpu
-from runner.models.rope import RoPE
+from runner.models.rope import RoPE, RopeTables
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -82,7 +82,13 @@ class Attention(nn.Module):
             scaling=args.rope_scaling,
         )  # fmt: skip
 
-    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: KVCache) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | str | None,
+        cache: KVCache,
+        rope: RopeTables | None = None,
+    ) -> mx.array:
         batch, length, _ = x.shape
         q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
@@ -90,11 +96,38 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=cache.offset)
-        k = self.rope(k, offset=cache.offset)
+        if rope is None:
+            rope = self.rope.tables(cache.offset, length, x.dtype)
+        q = self.rope.apply(q, rope)
+        k = self.rope.apply(k, rope)
         k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if mask is None or isinstance(mask, str) or mask.ndim == 2:
+            out = self._attend(q, k, v, mask)
+        else:  # a per-sequence mask (left-padded batches)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None):
+        """Grouped-query attention in five ops. On CPU ``mx.fast.scaled_dot_product_attention``
+        falls back to a longer composition (and builds its causal mask in every layer), which
+        costs ~10% of a decode step on SmolLM2. ``mask``: None, "causal" or an additive
+        ``[L, T]`` array shared by all layers of a forward."""
+        batch, heads, length, dim = q.shape
+        groups, keys = self.n_kv_heads, k.shape[2]
+        per_group = heads // groups
+        q = (q * self.scale).reshape(batch, groups, per_group * length, dim)
+        scores = q @ k.transpose(0, 1, 3, 2)
+        if isinstance(mask, str):
+            mask = causal_mask(keys - length, length)
+        if mask is not None:
+            scores = scores.reshape(batch, groups, per_group, length, keys)
+            if mask.dtype == mx.bool_:
+                scores = mx.where(mask, scores, -mx.inf)
+            else:
+                scores = scores + mask.astype(scores.dtype)
+            scores = scores.reshape(batch, groups, per_group * length, keys)
+        weights = mx.softmax(scores, axis=-1, precise=True)
+        return (weights @ v).reshape(batch, heads, length, dim)
 
 
 class MLP(nn.Module):
@@ -119,8 +152,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | str | None,
+        cache: KVCache,
+        rope: RopeTables | None = None,
+    ) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -132,9 +171,13 @@ class LlamaModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
-def causal_mask(length: int, caches: list[KVCache]) -> str | None:
-    """Single-row queries see the whole cache; longer ones get MLX's bottom-right causal mask."""
-    return "causal" if length > 1 else None
+def causal_mask(offset: int, length: int) -> mx.array | None:
+    """Additive ``[length, offset + length]`` mask: row i sees keys up to ``offset + i``.
+    None for one row, which sees the whole cache."""
+    if length == 1:
+        return None
+    rows = mx.arange(offset, offset + length)[:, None]
+    return mx.where(mx.arange(offset + length)[None, :] <= rows, 0.0, -mx.inf)
 
 
 class Model(nn.Module):
@@ -171,10 +214,12 @@ class Model(nn.Module):
         for left-padded batches. ``prenorm`` returns the hidden before the final norm.
         """
         x = self.model.embed_tokens(tokens)
+        offset, length = caches[0].offset, tokens.shape[1]
         if mask is None:
-            mask = causal_mask(tokens.shape[1], caches)
+            mask = causal_mask(offset, length)
+        rope = self.model.layers[0].self_attn.rope.tables(offset, length, x.dtype)
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x = layer(x, mask, cache)
+            x = layer(x, mask, cache, rope)
         return x if prenorm else self.model.norm(x)
 
     def unembed(self, hidden: mx.array) -> mx.array:

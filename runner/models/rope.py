@@ -6,6 +6,7 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 class RoPE(nn.Module):
@@ -40,17 +41,52 @@ class RoPE(nn.Module):
             self._freqs = mx.array(periods, dtype=mx.float32)
         elif kind != "default":
             raise ValueError(f"unsupported rope_scaling type {kind!r}")
+        if self._freqs is not None:
+            self._period_table = self._freqs
+        else:
+            exps = np.arange(0, dims, 2, dtype=np.float64) / dims
+            self._period_table = mx.array((base**exps).astype(np.float32))
+        self._rotation = rotation_matrix(dims, traditional)
+
+    def tables(self, offset: int, length: int, dtype: mx.Dtype = mx.float32) -> RopeTables:
+        """cos and sin ``[length, dims]`` for positions ``offset..offset+length-1``, laid out
+        for :meth:`apply`, in the activations' dtype. One forward computes them once and
+        shares them across layers (``mx.fast.rope`` on CPU rebuilds them in ~15 small ops on
+        every call, about 12% of a decode step on SmolLM2)."""
+        pos = mx.arange(offset, offset + length, dtype=mx.float32) * self.scale
+        angles = pos[:, None] / self._period_table[None, :]
+        if self.traditional:
+            angles = mx.repeat(angles, 2, axis=1)
+        else:
+            angles = mx.concatenate([angles, angles], axis=1)
+        return mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype)
+
+    def apply(self, x: mx.array, tables: RopeTables) -> mx.array:
+        """Rotate ``x`` ``[..., length, dims]`` by ``tables``: ``x cos + rot(x) sin``, where
+        ``rot`` is a constant signed permutation (one small matmul)."""
+        cos, sin = tables
+        rot = self._rotation if x.dtype == mx.float32 else self._rotation.astype(x.dtype)
+        return x * cos + (x @ rot) * sin
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        if self._freqs is not None:
-            return mx.fast.rope(
-                x, self.dims, traditional=self.traditional, base=None, scale=1.0,
-                offset=offset, freqs=self._freqs,
-            )  # fmt: skip
-        return mx.fast.rope(
-            x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
-            offset=offset,
-        )  # fmt: skip
+        return self.apply(x, self.tables(offset, x.shape[-2], x.dtype))
+
+
+RopeTables = tuple[mx.array, mx.array]
+
+
+def rotation_matrix(dims: int, traditional: bool) -> mx.array:
+    """``R`` with ``x @ R`` = rotate-half(x) (``[-x2, x1]``) or, traditional, each adjacent
+    pair ``(a, b)`` -> ``(-b, a)``."""
+    rot = np.zeros((dims, dims), dtype=np.float32)
+    if traditional:
+        for i in range(0, dims, 2):
+            rot[i + 1, i], rot[i, i + 1] = -1.0, 1.0
+    else:
+        half = dims // 2
+        for i in range(half):
+            rot[i + half, i], rot[i, i + half] = -1.0, 1.0
+    return mx.array(rot)
 
 
 def llama3_freqs(dims: int, base: float, scaling: dict) -> mx.array:
