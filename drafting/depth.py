@@ -27,7 +27,10 @@ trusted position (not at all when that position's rate is under 0.1) and at ``ma
 one depth deeper than its choice for three rounds (so the middle one is timed: a parked
 controller would otherwise never re-measure the cost of drafting); the interval starts at 4
 rounds and doubles after each probe that did not change the choice, up to 256, and snaps back
-to 4 when the choice changes. A depth in range that has no cost sample yet is drafted before
+to 4 when the choice changes. A probe of a position whose trusted rate is under 0.1 lasts one
+round: it only watches for the head starting to work (such a rate cannot pay for any cost a
+depth-1 round can have), so a useless head costs one drafted round per interval, not three.
+A depth in range that has no cost sample yet is drafted before
 anything else (cost seeding).
 """
 
@@ -46,6 +49,7 @@ PROBE_FIRST = 4
 PROBE_MAX = 256  # a probe costs a useless head ~3 * 0.3 steps per 256 tokens (< 0.4%)
 EXTEND_ABOVE = 0.1  # look one position past the frontier only above this acceptance
 PROBE_ROUNDS = 3  # rounds per probe; only the middle one is timed
+CHEAP_PROBE_ROUNDS = 1  # rounds per probe of a position trusted to be under EXTEND_ABOVE
 DEFAULT_MAX_DEPTH = 8
 
 
@@ -217,7 +221,10 @@ class DepthController:
                 if probe != sel:
                     choice = probe
                     self._probing = True
-                    self._probe_left = PROBE_ROUNDS - 1
+                    useless = self._seen[probe] >= TRUSTED_AFTER and (
+                        self._rate[probe] < EXTEND_ABOVE
+                    )
+                    self._probe_left = (CHEAP_PROBE_ROUNDS if useless else PROBE_ROUNDS) - 1
             if not self._probing:
                 unsampled = [d for d in range(limit + 1) if d not in self._cost]
                 if unsampled:

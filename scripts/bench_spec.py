@@ -2,10 +2,10 @@
 
 For each sampling mode (greedy, temperature 0.7) and each of 10 prompts, the same engine serves
 the prompt once with `speculative: false` and once with speculation (adaptive depth unless
---depth is given), interleaved. Decode speed is eval_tokens / eval_ns from the done frames.
-Prints tokens/s, the ratio, acceptance per draft position (position 1 counted, deeper ones the
-controller's running estimate) and the depths the controller chose,
-and writes JSON under bench-results/.
+--depth is given), interleaved, the arm that goes first alternating from prompt to prompt.
+Decode speed is eval_tokens / eval_ns from the done frames. Prints tokens/s, the ratio,
+acceptance per draft position (position 1 counted, deeper ones the controller's running
+estimate) and the depths the controller chose, and writes JSON under bench-results/.
 
     python scripts/bench_spec.py                 # the shipped head (or --draft DIR)
     python scripts/bench_spec.py --random-head   # a useless head: the controller must park
@@ -111,9 +111,15 @@ def main() -> int:
         histogram: list[int] = []
         depths = []
         t0 = time.time()
-        for prompt in PROMPTS[: args.prompts]:
-            done_p, ids_p = run_one(engine, prompt, False, args.tokens, sampling)
-            done_s, ids_s = run_one(engine, prompt, True, args.tokens, sampling)
+        for i, prompt in enumerate(PROMPTS[: args.prompts]):
+            # Alternate which arm goes first, so a slow drift of this shared machine's speed
+            # falls on both arms alike.
+            if i % 2 == 0:
+                done_p, ids_p = run_one(engine, prompt, False, args.tokens, sampling)
+                done_s, ids_s = run_one(engine, prompt, True, args.tokens, sampling)
+            else:
+                done_s, ids_s = run_one(engine, prompt, True, args.tokens, sampling)
+                done_p, ids_p = run_one(engine, prompt, False, args.tokens, sampling)
             same += ids_p == ids_s
             plain_t += done_p.eval_ns
             plain_n += done_p.eval_tokens

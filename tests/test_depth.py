@@ -84,7 +84,7 @@ def test_a_three_times_stall_does_not_unpark():
 
 
 def test_probes_back_off_to_the_cap_and_snap_back_when_drafting_pays():
-    sim = Sim(steep, 0.15, max_depth=4)
+    sim = Sim(steep, 0.3, max_depth=4)
     intervals = []
     for _ in range(4000):
         sim.round()
@@ -250,4 +250,7 @@ def test_a_useless_head_is_never_drafted_deeper_than_one():
     sim.run(2000)
     assert max(sim.depths) == 1  # position 1 never pays: no depth-2 cost seeding, no probes
     assert 2 not in sim.controller.state()["cost_ms"]
-    assert sim.depths[-1000:].count(1) <= 3 * (1000 // PROBE_MAX + 1)  # only timed probes
+    # Position 1 is trusted to be useless: probes are single rounds, one per interval.
+    late = sim.depths[-1000:]
+    assert late.count(1) <= 1000 // PROBE_MAX + 1
+    assert all(late[i + 1] == 0 for i, d in enumerate(late[:-1]) if d == 1)
