@@ -23,15 +23,14 @@ from two measured models:
 Depth 0 (plain decoding) is a real option, measured like any other, so speculation never
 settles on being slower than plain decoding. The search stops one position past the deepest
 trusted position (not at all when that position's rate is under 0.1) and at ``max_depth``
-(``--max-draft``). Every so often the controller probes
-one depth deeper than its choice for three rounds (so the middle one is timed: a parked
-controller would otherwise never re-measure the cost of drafting); the interval starts at 4
-rounds and doubles after each probe that did not change the choice, up to 256, and snaps back
-to 4 when the choice changes. A probe of a position whose trusted rate is under 0.1 lasts one
-round: it only watches for the head starting to work (such a rate cannot pay for any cost a
-depth-1 round can have), so a useless head costs one drafted round per interval, not three.
-A depth in range that has no cost sample yet is drafted before
-anything else (cost seeding).
+(``--max-draft``). Every so often the controller probes one depth deeper than its choice for
+three rounds (so the middle one is timed: a parked controller would otherwise never re-measure
+the cost of drafting); the interval starts at 4 rounds and doubles after each probe that did
+not change the choice, up to 256, and snaps back to 4 when the choice changes. A probe of a
+position whose trusted rate is under 0.1 lasts one round: it only watches for the head
+starting to work (such a rate cannot pay for any cost a depth-1 round can have), so a useless
+head costs one drafted round per interval, not three. A depth in range that has no cost sample
+yet is drafted before anything else (cost seeding).
 """
 
 from __future__ import annotations

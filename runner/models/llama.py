@@ -17,6 +17,9 @@ from runner.models.rope import RoPE, RopeTables
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
+# None (one row, or no mask), "causal", or an additive / boolean array.
+Mask = mx.array | str | None
+
 
 @dataclass
 class ModelArgs:
@@ -83,11 +86,7 @@ class Attention(nn.Module):
         )  # fmt: skip
 
     def __call__(
-        self,
-        x: mx.array,
-        mask: mx.array | str | None,
-        cache: KVCache,
-        rope: RopeTables | None = None,
+        self, x: mx.array, mask: Mask, cache: KVCache, rope: RopeTables | None = None
     ) -> mx.array:
         batch, length, _ = x.shape
         q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
@@ -107,7 +106,7 @@ class Attention(nn.Module):
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
-    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None):
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Mask) -> mx.array:
         """Grouped-query attention in five ops. On CPU ``mx.fast.scaled_dot_product_attention``
         falls back to a longer composition (and builds its causal mask in every layer), which
         costs ~10% of a decode step on SmolLM2. ``mask``: None, "causal" or an additive
@@ -118,13 +117,13 @@ class Attention(nn.Module):
         q = (q * self.scale).reshape(batch, groups, per_group * length, dim)
         scores = q @ k.transpose(0, 1, 3, 2)
         if isinstance(mask, str):
-            mask = causal_mask(keys - length, length)
+            mask = causal_mask(keys - length, length, scores.dtype)
         if mask is not None:
             scores = scores.reshape(batch, groups, per_group, length, keys)
             if mask.dtype == mx.bool_:
                 scores = mx.where(mask, scores, -mx.inf)
             else:
-                scores = scores + mask.astype(scores.dtype)
+                scores = scores + mask
             scores = scores.reshape(batch, groups, per_group * length, keys)
         weights = mx.softmax(scores, axis=-1, precise=True)
         return (weights @ v).reshape(batch, heads, length, dim)
@@ -153,11 +152,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(
-        self,
-        x: mx.array,
-        mask: mx.array | str | None,
-        cache: KVCache,
-        rope: RopeTables | None = None,
+        self, x: mx.array, mask: Mask, cache: KVCache, rope: RopeTables | None = None
     ) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -171,13 +166,14 @@ class LlamaModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
-def causal_mask(offset: int, length: int) -> mx.array | None:
+def causal_mask(offset: int, length: int, dtype: mx.Dtype = mx.float32) -> mx.array | None:
     """Additive ``[length, offset + length]`` mask: row i sees keys up to ``offset + i``.
     None for one row, which sees the whole cache."""
     if length == 1:
         return None
     rows = mx.arange(offset, offset + length)[:, None]
-    return mx.where(mx.arange(offset + length)[None, :] <= rows, 0.0, -mx.inf)
+    visible = mx.arange(offset + length)[None, :] <= rows
+    return mx.where(visible, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))
 
 
 class Model(nn.Module):
@@ -205,7 +201,7 @@ class Model(nn.Module):
         self,
         tokens: mx.array,
         caches: list[KVCache],
-        mask: mx.array | str | None = None,
+        mask: Mask = None,
         prenorm: bool = False,
     ) -> mx.array:
         """Run the decoder stack over ``tokens`` (``[B, L]``); return ``[B, L, D]`` hiddens.
@@ -216,7 +212,7 @@ class Model(nn.Module):
         x = self.model.embed_tokens(tokens)
         offset, length = caches[0].offset, tokens.shape[1]
         if mask is None:
-            mask = causal_mask(offset, length)
+            mask = causal_mask(offset, length, x.dtype)
         rope = self.model.layers[0].self_attn.rope.tables(offset, length, x.dtype)
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x = layer(x, mask, cache, rope)
@@ -251,7 +247,7 @@ class Model(nn.Module):
         mx.eval([v for _, v in _private_arrays(self)])
 
     def forward(
-        self, tokens: mx.array, caches: list[KVCache], mask: mx.array | str | None = None
+        self, tokens: mx.array, caches: list[KVCache], mask: Mask = None
     ) -> tuple[mx.array, mx.array]:
         """Logits ``[B, L, V]`` for every fed row and the post-final-norm hiddens ``[B, L, D]``.
 

@@ -50,29 +50,29 @@ class RoPE(nn.Module):
 
     def tables(self, offset: int, length: int, dtype: mx.Dtype = mx.float32) -> RopeTables:
         """cos and sin ``[length, dims]`` for positions ``offset..offset+length-1``, laid out
-        for :meth:`apply`, in the activations' dtype. One forward computes them once and
-        shares them across layers (``mx.fast.rope`` on CPU rebuilds them in ~15 small ops on
-        every call, about 12% of a decode step on SmolLM2)."""
+        for :meth:`apply`, and the rotation, all in the activations' dtype. One forward computes
+        them once and shares them across layers (``mx.fast.rope`` on CPU rebuilds them in ~15
+        small ops on every call, about 12% of a decode step on SmolLM2)."""
         pos = mx.arange(offset, offset + length, dtype=mx.float32) * self.scale
         angles = pos[:, None] / self._period_table[None, :]
         if self.traditional:
             angles = mx.repeat(angles, 2, axis=1)
         else:
             angles = mx.concatenate([angles, angles], axis=1)
-        return mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype)
+        rotation = self._rotation if dtype == mx.float32 else self._rotation.astype(dtype)
+        return mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype), rotation
 
     def apply(self, x: mx.array, tables: RopeTables) -> mx.array:
         """Rotate ``x`` ``[..., length, dims]`` by ``tables``: ``x cos + rot(x) sin``, where
         ``rot`` is a constant signed permutation (one small matmul)."""
-        cos, sin = tables
-        rot = self._rotation if x.dtype == mx.float32 else self._rotation.astype(x.dtype)
-        return x * cos + (x @ rot) * sin
+        cos, sin, rotation = tables
+        return x * cos + (x @ rotation) * sin
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return self.apply(x, self.tables(offset, x.shape[-2], x.dtype))
 
 
-RopeTables = tuple[mx.array, mx.array]
+RopeTables = tuple[mx.array, mx.array, mx.array]  # cos, sin, rotation
 
 
 def rotation_matrix(dims: int, traditional: bool) -> mx.array:

@@ -41,10 +41,7 @@ def mx_dequantize(e):
 
 def rope_periods(rope) -> tuple[np.ndarray, float]:
     """Per-pair periods (1 / inverse frequency) and the position scale of an MLX RoPE module."""
-    if rope._freqs is not None:
-        return np.array(rope._freqs, dtype=np.float64), 1.0
-    exps = np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims
-    return rope.base**exps, float(rope.scale)
+    return np.array(rope._period_table, dtype=np.float64), float(rope.scale)
 
 
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
