@@ -23,6 +23,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bench_common as bc  # noqa: E402
+
 import runner  # noqa: E402,F401  (OpenBLAS before mlx)
 
 
@@ -150,7 +152,7 @@ def print_table(report: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from mtp_training.chain import SamplingOptions, evaluate_chain
-    from mtp_training.npmodel import NumpyLlama
+    from mtp_training.npmodel import NumpyOutput
 
     from runner.default_model import home
     from runner.draft_loader import load_draft_head
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
     name = os.path.basename(os.path.normpath(args.target)).removesuffix(".gguf")
     work_dir = os.path.expanduser(args.work_dir or os.path.join(home(), "eval", name))
     heldout, seqs = heldout_answers(args, loaded.tokenizer, work_dir)
-    target_np = NumpyLlama(loaded.model)
+    target_np = NumpyOutput(loaded.model)  # only the output projection is read
     greedy = [s for s in seqs if s.temperature == 0.0]
     sampled = [s for s in seqs if s.temperature > 0.0]
     sampling = SamplingOptions(args.temperature, args.top_k, args.top_p)
@@ -183,12 +185,13 @@ def main(argv=None) -> int:
         report["training"] = json.load(f).get("training", {})
     report["minutes"] = round((time.time() - start) / 60, 2)
     print_table(report)
-    out = args.json or os.path.join(
-        "bench-results", f"eval_head-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    )
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        out = args.json
+    else:  # under the repository's bench-results/, wherever the script runs from
+        out = bc.write_json(f"eval_head-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json", report)
     print(f"\nwrote {out}")
     return 0
 

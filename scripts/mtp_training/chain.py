@@ -93,6 +93,7 @@ def _target_dists(target_np, seq: GenSequence, sampling: SamplingOptions):
 
 def _run_batch(head, target_np, seqs, depth, sampling, result: ChainResult) -> None:
     vocab = np.array(head.config.draft_vocab) if head.config.draft_vocab is not None else None
+    vocab_ids = head.draft_vocab_ids  # the same ids on the device
     batch = len(seqs)
     width = max(s.prompt_len for s in seqs)
     pads = np.array([width - s.prompt_len for s in seqs])
@@ -124,7 +125,7 @@ def _run_batch(head, target_np, seqs, depth, sampling, result: ChainResult) -> N
                 token = mx.array(tok[:, c + j + 2 : c + j + 3])
             else:
                 best = mx.argmax(logits, axis=-1)
-                token = (mx.array(vocab)[best] if vocab is not None else best)[:, None]
+                token = (vocab_ids[best] if vocab_ids is not None else best)[:, None]
             hidden = y
         stacked = mx.stack(steps_logits, axis=1)  # [B, depth, Vd]
         mx.eval(stacked)

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .npmodel import rope_periods, rope_rotate, rope_table
+from .npmodel import _embedding_table, rope_periods, rope_rotate, rope_table
 
 # head parameter name -> (numpy key, transposed?) for the weights that are matrices
 _LINEARS = {
@@ -81,7 +81,7 @@ class NumpyHead:
         rope = head.layers[0].self_attn.rope
         self.rope_dims, self.traditional = rope.dims, rope.traditional
         self.periods, self.pos_scale = rope_periods(rope)
-        self.embed = _f32(model.model.embed_tokens.weight)
+        self.embed = _embedding_table(model)
         self.out_t = np.ascontiguousarray(_f32(head._sub_t))
         self.params = self._from_head(head)
 

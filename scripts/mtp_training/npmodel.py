@@ -25,12 +25,10 @@ def _embedding_table(model) -> np.ndarray:
     """The ``[V, D]`` input embedding, dequantized if needed."""
     import mlx.nn as nn
 
-    if model.args.tie_word_embeddings or not isinstance(model.model.embed_tokens, nn.Embedding):
-        if model.args.tie_word_embeddings:
-            return _np(model.output_weight())
-        e = model.model.embed_tokens
+    e = model.model.embed_tokens
+    if isinstance(e, nn.QuantizedEmbedding):
         return _np(mx_dequantize(e))
-    return _np(model.model.embed_tokens.weight)
+    return _np(e.weight)
 
 
 def mx_dequantize(e):
@@ -71,12 +69,23 @@ def rope_rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dims: int, trad
     return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
-class NumpyLlama:
+class NumpyOutput:
+    """The target's output projection alone: all that evaluating a head's chains needs."""
+
+    def __init__(self, model) -> None:
+        self.out_t = np.ascontiguousarray(_np(model.output_weight()).T)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return hidden @ self.out_t
+
+
+class NumpyLlama(NumpyOutput):
     """Holds float32 copies of the target's weights (transposed for ``x @ w``)."""
 
     def __init__(self, model) -> None:
         from runner.models.layers import dense_weight
 
+        super().__init__(model)
         args = model.args
         self.args = args
         self.eps = float(args.rms_norm_eps)
@@ -87,7 +96,6 @@ class NumpyLlama:
         self.rope_dims, self.traditional = rope.dims, rope.traditional
         self.periods, self.pos_scale = rope_periods(rope)
         self.embed = _embedding_table(model)
-        self.out_t = np.ascontiguousarray(_np(model.output_weight()).T)
         self.norm = _np(model.model.norm.weight)
         self.layers = []
         for layer in model.layers:
@@ -195,6 +203,3 @@ class NumpyLlama:
             x = x + d
         out = _rms_norm(x, self.norm, self.eps).astype(np.float32)
         return out.reshape(batch, length, -1)
-
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return hidden @ self.out_t
