@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
-from .npmodel import _embedding_table, rope_periods, rope_rotate, rope_table
+from .npmodel import (
+    _embedding_table,
+    _np,
+    pack_layer,
+    rms_forward,
+    rope_periods,
+    rope_rotate,
+    rope_table,
+)
 
 # head parameter name -> (numpy key, transposed?) for the weights that are matrices
 _LINEARS = {
@@ -33,16 +40,6 @@ _NORMS = {
     "layers.0.self_attn.k_norm.weight": "k_norm",
 }
 _BIASES = {"layers.0.self_attn.o_proj.bias": "o_b", "layers.0.mlp.down_proj.bias": "down_b"}
-
-
-def _f32(a) -> np.ndarray:
-    return np.array(a.astype(mx.float32), dtype=np.float32)
-
-
-def rms_forward(x: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """RMSNorm output and the per-row inverse RMS (kept for the backward pass)."""
-    r = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps)
-    return x * r * w, r
 
 
 def linear_backward(p: dict, grads: dict, name: str, x: np.ndarray, dy: np.ndarray):
@@ -82,33 +79,19 @@ class NumpyHead:
         self.rope_dims, self.traditional = rope.dims, rope.traditional
         self.periods, self.pos_scale = rope_periods(rope)
         self.embed = _embedding_table(model)
-        self.out_t = np.ascontiguousarray(_f32(head._sub_t))
+        self.out_t = np.ascontiguousarray(_np(head._sub_t))
         self.params = self._from_head(head)
 
     # -- parameters <-> the MLX head -------------------------------------------------------
 
     def _from_head(self, head) -> dict[str, np.ndarray]:
-        flat = {k: _f32(v) for k, v in tree_flatten(head.parameters())}
-        p: dict[str, np.ndarray] = {}
-        for name, key in {**_NORMS, **_BIASES}.items():
-            if name in flat:
-                p[key] = flat[name]
-        for name, key in _LINEARS.items():
-            p[key] = np.ascontiguousarray(flat[name].T)
-        att = "layers.0.self_attn."
-        p["qkv"] = np.ascontiguousarray(
-            np.concatenate([flat[f"{att}{n}_proj.weight"] for n in "qkv"]).T
-        )
-        if f"{att}q_proj.bias" in flat:
-            p["qkv_b"] = np.concatenate([flat[f"{att}{n}_proj.bias"] for n in "qkv"])
-        mlp = "layers.0.mlp."
-        p["gate_up"] = np.ascontiguousarray(
-            np.concatenate([flat[f"{mlp}gate_proj.weight"], flat[f"{mlp}up_proj.weight"]]).T
-        )
-        if f"{mlp}gate_proj.bias" in flat:
-            p["gate_up_b"] = np.concatenate(
-                [flat[f"{mlp}gate_proj.bias"], flat[f"{mlp}up_proj.bias"]]
-            )
+        from runner.models.layers import dense_weight
+
+        p = pack_layer(head.layers[0])
+        p["fc"] = np.ascontiguousarray(_np(dense_weight(head.fc)).T)
+        p["norm_e"] = _np(head.pre_fc_norm_embedding.weight)
+        p["norm_h"] = _np(head.pre_fc_norm_hidden.weight)
+        p["norm"] = _np(head.norm.weight)
         return p
 
     def to_head_weights(self) -> list[tuple[str, mx.array]]:

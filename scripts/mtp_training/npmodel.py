@@ -42,9 +42,10 @@ def rope_periods(rope) -> tuple[np.ndarray, float]:
     return np.array(rope._period_table, dtype=np.float64), float(rope.scale)
 
 
-def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(np.square(x), axis=-1, keepdims=True)
-    return (x / np.sqrt(var + eps)) * w
+def rms_forward(x: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """RMSNorm output and the per-row inverse RMS (kept for the head's backward pass)."""
+    r = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps)
+    return x * r * w, r
 
 
 def rope_table(offset: int, length: int, pos_scale: float, periods: np.ndarray):
@@ -69,6 +70,40 @@ def rope_rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dims: int, trad
     return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
+def pack_layer(layer) -> dict[str, np.ndarray]:
+    """A decoder layer's weights as float32 NumPy, ``[in, out]``, q/k/v and gate/up fused:
+    ``qkv``, ``o``, ``gate_up``, ``down``, ``ln1``, ``ln2``, the biases (``*_b``) and
+    ``q_norm`` / ``k_norm`` where the layer has them (shared by the target and the head)."""
+    from runner.models.layers import dense_weight
+
+    att, mlp = layer.self_attn, layer.mlp
+    params = dict(tree_flatten(layer.parameters()))
+    w = {
+        "qkv": np.ascontiguousarray(
+            np.concatenate([_np(dense_weight(m)) for m in (att.q_proj, att.k_proj, att.v_proj)]).T
+        ),
+        "o": np.ascontiguousarray(_np(dense_weight(att.o_proj)).T),
+        "gate_up": np.ascontiguousarray(
+            np.concatenate([_np(dense_weight(mlp.gate_proj)), _np(dense_weight(mlp.up_proj))]).T
+        ),
+        "down": np.ascontiguousarray(_np(dense_weight(mlp.down_proj)).T),
+        "ln1": _np(layer.input_layernorm.weight),
+        "ln2": _np(layer.post_attention_layernorm.weight),
+    }
+    if "self_attn.q_proj.bias" in params:
+        w["qkv_b"] = np.concatenate([_np(params[f"self_attn.{p}_proj.bias"]) for p in "qkv"])
+    for name, key in (("self_attn.o_proj.bias", "o_b"), ("mlp.down_proj.bias", "down_b")):
+        if name in params:
+            w[key] = _np(params[name])
+    if "mlp.gate_proj.bias" in params:
+        w["gate_up_b"] = np.concatenate(
+            [_np(params["mlp.gate_proj.bias"]), _np(params["mlp.up_proj.bias"])]
+        )
+    if "q_norm" in att:
+        w["q_norm"], w["k_norm"] = _np(att.q_norm.weight), _np(att.k_norm.weight)
+    return w
+
+
 class NumpyOutput:
     """The target's output projection alone: all that evaluating a head's chains needs."""
 
@@ -83,8 +118,6 @@ class NumpyLlama(NumpyOutput):
     """Holds float32 copies of the target's weights (transposed for ``x @ w``)."""
 
     def __init__(self, model) -> None:
-        from runner.models.layers import dense_weight
-
         super().__init__(model)
         args = model.args
         self.args = args
@@ -97,40 +130,7 @@ class NumpyLlama(NumpyOutput):
         self.periods, self.pos_scale = rope_periods(rope)
         self.embed = _embedding_table(model)
         self.norm = _np(model.model.norm.weight)
-        self.layers = []
-        for layer in model.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            params = dict(tree_flatten(layer.parameters()))
-            w = {
-                "qkv": np.ascontiguousarray(
-                    np.concatenate(
-                        [_np(dense_weight(m)) for m in (att.q_proj, att.k_proj, att.v_proj)]
-                    ).T
-                ),
-                "o": np.ascontiguousarray(_np(dense_weight(att.o_proj)).T),
-                "gate_up": np.ascontiguousarray(
-                    np.concatenate(
-                        [_np(dense_weight(mlp.gate_proj)), _np(dense_weight(mlp.up_proj))]
-                    ).T
-                ),
-                "down": np.ascontiguousarray(_np(dense_weight(mlp.down_proj)).T),
-                "ln1": _np(layer.input_layernorm.weight),
-                "ln2": _np(layer.post_attention_layernorm.weight),
-            }
-            if "self_attn.q_proj.bias" in params:
-                w["qkv_b"] = np.concatenate(
-                    [_np(params[f"self_attn.{p}_proj.bias"]) for p in "qkv"]
-                )
-            for name, key in (("self_attn.o_proj.bias", "o_b"), ("mlp.down_proj.bias", "down_b")):
-                if name in params:
-                    w[key] = _np(params[name])
-            if "mlp.gate_proj.bias" in params:
-                w["gate_up_b"] = np.concatenate(
-                    [_np(params["mlp.gate_proj.bias"]), _np(params["mlp.up_proj.bias"])]
-                )
-            if "q_norm" in att:
-                w["q_norm"], w["k_norm"] = _np(att.q_norm.weight), _np(att.k_norm.weight)
-            self.layers.append(w)
+        self.layers = [pack_layer(layer) for layer in model.layers]
 
     def new_cache(self, batch: int, capacity: int) -> list[list[np.ndarray]]:
         """Per-layer [keys, values] buffers ``[B, kv_heads, capacity, head_dim]``.
@@ -165,7 +165,7 @@ class NumpyLlama(NumpyOutput):
         bias = mask[:, None, None]  # [B, 1, 1, L, S]
         cos, sin = self._rope_table(offset, length)
         for w, kv in zip(self.layers, cache, strict=True):
-            h = _rms_norm(x, w["ln1"], self.eps) @ w["qkv"]
+            h = rms_forward(x, w["ln1"], self.eps)[0] @ w["qkv"]
             if "qkv_b" in w:
                 h = h + w["qkv_b"]
             q = h[:, : nh * hd].reshape(batch, length, nh, hd).transpose(0, 2, 1, 3)
@@ -173,8 +173,8 @@ class NumpyLlama(NumpyOutput):
             v = h[:, (nh + nkv) * hd :].reshape(batch, length, nkv, hd)
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
             if "q_norm" in w:
-                q = _rms_norm(q, w["q_norm"], self.eps)
-                k = _rms_norm(k, w["k_norm"], self.eps)
+                q = rms_forward(q, w["q_norm"], self.eps)[0]
+                k = rms_forward(k, w["k_norm"], self.eps)[0]
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             kv[0][:, :, offset:end] = k
             kv[1][:, :, offset:end] = v
@@ -190,7 +190,7 @@ class NumpyLlama(NumpyOutput):
             if "o_b" in w:
                 o = o + w["o_b"]
             x = x + o
-            gu = _rms_norm(x, w["ln2"], self.eps) @ w["gate_up"]
+            gu = rms_forward(x, w["ln2"], self.eps)[0] @ w["gate_up"]
             if "gate_up_b" in w:
                 gu = gu + w["gate_up_b"]
             inter = gu.shape[-1] // 2
@@ -201,5 +201,5 @@ class NumpyLlama(NumpyOutput):
             if "down_b" in w:
                 d = d + w["down_b"]
             x = x + d
-        out = _rms_norm(x, self.norm, self.eps).astype(np.float32)
+        out = rms_forward(x, self.norm, self.eps)[0].astype(np.float32)
         return out.reshape(batch, length, -1)
