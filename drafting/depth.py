@@ -7,30 +7,41 @@ N that maximises expected committed tokens per second,
 
 from two measured models:
 
-- acceptance: per draft position i >= 1, an EWMA (alpha 0.1) of P(draft i accepted | drafts
+- acceptance: per draft position i >= 1, an EWMA (alpha 0.05) of P(draft i accepted | drafts
   1..i-1 accepted), bias-corrected: until it has 10 samples it is their plain mean (one early
   outcome must not set the rate to 0 or 1). A position is trusted after 10 samples; an
   untrusted position borrows the deepest trusted rate below it (1.0 when there is none:
   optimistic, so deeper depths get tried). Positions after an accepted EOS are not judged.
-- cost: per depth, a round's wall time, from its start to the start of the next round,
-  recorded only when the rounds before and after it have the same depth (a change of depth
-  costs extra on both sides: the pipelined plain loop drains and refills, the draft cache
-  catches up). The first 4 samples of a depth are combined by their median (the
-  first rounds at a new shape include warm-up), later ones by an EWMA (alpha 0.3) whose
-  innovation is clamped to +-25% of the current value so one host stall cannot flip the choice.
-  Between sampled depths the cost is interpolated linearly, beyond them it is flat.
+- cost: a round's wall time, from its start to the start of the next round, recorded only
+  when the rounds before and after it have the same depth (a change of depth costs extra on
+  both sides: the pipelined plain loop drains and refills, the draft cache catches up). It is
+  modelled as ``speed * relative(depth)``: this shared machine's speed swings by 20% within a
+  minute, so costs timed at different moments must not be compared directly (a depth-1 cost
+  timed in a slow spell against a depth-0 cost timed in a fast one parks a useful head).
+  Rounds at the selected depth move only ``speed``; rounds at any other depth (probes, cost
+  seeding) move only their own ``relative`` cost, against the speed the rounds just before
+  them measured, so every relative cost comes from a comparison close in time. The first 4
+  samples of a depth are combined by their median (the first rounds at a new shape include
+  warm-up), later ones by an EWMA (alpha 0.3) whose innovation is clamped to +-25% so one
+  host stall cannot flip the choice. Between sampled depths the relative cost is
+  interpolated linearly, beyond them it is flat.
 
 Depth 0 (plain decoding) is a real option, measured like any other, so speculation never
 settles on being slower than plain decoding. The search stops one position past the deepest
 trusted position (not at all when that position's rate is under 0.1) and at ``max_depth``
-(``--max-draft``). Every so often the controller probes one depth deeper than its choice for
-three rounds (so the middle one is timed: a parked controller would otherwise never re-measure
-the cost of drafting); the interval starts at 4 rounds and doubles after each probe that did
-not change the choice, up to 256, and snaps back to 4 when the choice changes. A probe of a
-position whose trusted rate is under 0.1 lasts one round: it only watches for the head
-starting to work (such a rate cannot pay for any cost a depth-1 round can have), so a useless
-head costs one drafted round per interval, not three. A depth in range that has no cost sample
-yet is drafted before anything else (cost seeding).
+(``--max-draft``). The selected depth changes only for a rate 3% better than its own: the
+estimates are noisy, and every change of depth costs rounds on both sides. Every so often the
+controller probes a depth next to its choice for five rounds (the middle three are timed: a
+parked controller would otherwise never re-measure the cost of drafting), one deeper and one
+shallower in turn (parked, always deeper); the interval starts at 4 rounds and doubles after
+each probe that did not change the choice, up to 256, and snaps back to 4 when the choice
+changes. A probe of a position whose trusted rate is under 0.1 lasts one round: it only
+watches for the head starting to work (such a rate cannot pay for any cost a depth-1 round
+can have), so a useless head costs one drafted round per interval, not five. A depth in range
+that has no cost sample yet is drafted before anything else (cost seeding).
+
+The constants were tuned with ``scripts/sim_depth.py`` (simulated rounds with this machine's
+relative costs, per-round noise, a drifting speed and per-prompt acceptance).
 """
 
 from __future__ import annotations
@@ -40,16 +51,17 @@ import time
 from collections.abc import Callable
 
 COST_ALPHA = 0.3
-ACCEPT_ALPHA = 0.1
+ACCEPT_ALPHA = 0.05
 TRUSTED_AFTER = 10  # acceptance samples before a position's rate is believed
 COST_CLAMP = 0.25  # largest relative move of a cost EWMA per sample
 COST_SEED_SAMPLES = 4  # samples combined by their median before the EWMA takes over
 PROBE_FIRST = 4
-PROBE_MAX = 256  # a probe costs a useless head ~3 * 0.3 steps per 256 tokens (< 0.4%)
+PROBE_MAX = 256  # a useless head then costs one drafted round (~0.3 steps) per 256 (< 0.2%)
 EXTEND_ABOVE = 0.1  # look one position past the frontier only above this acceptance
-PROBE_ROUNDS = 3  # rounds per probe; only the middle one is timed
+PROBE_ROUNDS = 5  # rounds per probe; the first and last are not timed (changes of depth)
 CHEAP_PROBE_ROUNDS = 1  # rounds per probe of a position trusted to be under EXTEND_ABOVE
 DEFAULT_MAX_DEPTH = 8
+SWITCH_MARGIN = 0.03  # leave the selected depth only for a rate this much better
 
 
 class DepthController:
@@ -63,7 +75,9 @@ class DepthController:
         self.max_depth = max(int(max_depth), 0)
         self._clock = clock
         self._lock = threading.Lock()  # status() reads from other threads
-        self._cost: dict[int, float] = {}
+        self._speed: float | None = None  # seconds per unit of relative cost
+        self._relative: dict[int, float] = {}  # per depth, in units of the speed
+        self._unit: int | None = None  # the depth whose first samples set the speed
         self._cost_seed: dict[int, list[float]] = {}
         # index i = draft position i (index 0 unused)
         self._rate = [0.0] * (self.max_depth + 1)
@@ -74,6 +88,7 @@ class DepthController:
         self._probe_since = 0
         self._probing = False
         self._probe_left = 0
+        self._probe_shallower = False  # direction of the next probe
         self._round_start: float | None = None
         self._round_depth: int | None = None
         self._before_depth: int | None = None
@@ -109,15 +124,24 @@ class DepthController:
             self._add_cost(depth, seconds)
 
     def _add_cost(self, depth: int, seconds: float) -> None:
+        if self._unit is None:
+            self._unit = depth  # the first depth timed: its seeds set the speed
         seed = self._cost_seed.setdefault(depth, [])
         if len(seed) < COST_SEED_SAMPLES:
-            seed.append(seconds)
-            self._cost[depth] = sorted(seed)[(len(seed) - 1) // 2]  # lower median
+            if depth == self._unit:
+                seed.append(seconds)
+                self._speed, self._relative[depth] = _lower_median(seed), 1.0
+            else:
+                seed.append(seconds / self._speed)
+                self._relative[depth] = _lower_median(seed)
             return
-        old = self._cost[depth]
-        bound = COST_CLAMP * old
-        innovation = min(max(seconds - old, -bound), bound)
-        self._cost[depth] = old + COST_ALPHA * innovation
+        # Innovation of this sample against the model, clamped so one stall moves little.
+        error = seconds / (self._speed * self._relative[depth]) - 1.0
+        step = 1.0 + COST_ALPHA * min(max(error, -COST_CLAMP), COST_CLAMP)
+        if depth == self._selected:
+            self._speed *= step  # the bulk of the rounds: they track the machine
+        else:
+            self._relative[depth] *= step  # a probe, compared with the rounds just before
 
     def observe(self, judged: int, accepted: int) -> None:
         """Acceptance of one round: ``judged`` positions had a verdict (the drafts, or up to an
@@ -156,20 +180,25 @@ class DepthController:
         return min(frontier + 1, self.max_depth)
 
     def cost(self, depth: int) -> float | None:
-        """Round cost at ``depth``: sampled, interpolated, or flat beyond the sampled range."""
-        if not self._cost:
+        """Round cost at ``depth`` at the machine's current speed: sampled, interpolated, or
+        flat beyond the sampled range."""
+        if self._speed is None:
             return None
-        if depth in self._cost:
-            return self._cost[depth]
-        sampled = sorted(self._cost)
+        return self._speed * self._relative_cost(depth)
+
+    def _relative_cost(self, depth: int) -> float:
+        rel = self._relative
+        if depth in rel:
+            return rel[depth]
+        sampled = sorted(rel)
         if depth < sampled[0]:
-            return self._cost[sampled[0]]
+            return rel[sampled[0]]
         if depth > sampled[-1]:
-            return self._cost[sampled[-1]]
+            return rel[sampled[-1]]
         hi = next(d for d in sampled if d > depth)
         lo = max(d for d in sampled if d < depth)
         t = (depth - lo) / (hi - lo)
-        return self._cost[lo] + t * (self._cost[hi] - self._cost[lo])
+        return rel[lo] + t * (rel[hi] - rel[lo])
 
     def expected_committed(self, depth: int) -> float:
         total, run = 1.0, 1.0
@@ -185,13 +214,17 @@ class DepthController:
 
     def selected(self) -> int:
         """The depth with the best rate in [0, limit]; 0 until two depths have costs."""
-        if len(self._cost) < 2:
+        if len(self._relative) < 2:
             return 0
+        limit = self.limit()
         best, best_rate = 0, self.rate(0)
-        for depth in range(1, self.limit() + 1):
+        for depth in range(1, limit + 1):
             r = self.rate(depth)
             if r > best_rate:  # strict: ties keep the shallower depth
                 best, best_rate = depth, r
+        current = self._selected
+        if current <= limit and best_rate < self.rate(current) * (1 + SWITCH_MARGIN):
+            return current  # within the noise of the estimates: switching costs rounds
         return best
 
     # -- the decision -------------------------------------------------------------------------
@@ -216,7 +249,9 @@ class DepthController:
             self._probe_since += 1
             if self._probe_since >= self._probe_interval:
                 self._probe_since = 0
-                probe = min(sel + 1, limit)
+                shallower = self._probe_shallower and sel > 0
+                self._probe_shallower = not shallower and sel > 0
+                probe = sel - 1 if shallower else min(sel + 1, limit)
                 if probe != sel:
                     choice = probe
                     self._probing = True
@@ -225,7 +260,7 @@ class DepthController:
                     )
                     self._probe_left = (CHEAP_PROBE_ROUNDS if useless else PROBE_ROUNDS) - 1
             if not self._probing:
-                unsampled = [d for d in range(limit + 1) if d not in self._cost]
+                unsampled = [d for d in range(limit + 1) if d not in self._relative]
                 if unsampled:
                     choice = unsampled[0]
             self.scheduled = choice
@@ -238,7 +273,7 @@ class DepthController:
                 "depth": self.scheduled,
                 "selected": self._selected,
                 "max_depth": self.max_depth,
-                "cost_ms": {d: round(c * 1000.0, 3) for d, c in sorted(self._cost.items())},
+                "cost_ms": {d: round(self.cost(d) * 1000.0, 3) for d in sorted(self._relative)},
                 "acceptance": [
                     round(self._rate[i], 4) if self._seen[i] >= TRUSTED_AFTER else None
                     for i in range(1, self.max_depth + 1)
@@ -246,6 +281,10 @@ class DepthController:
                 "samples": list(self._seen[1:]),
                 "probe_interval": self._probe_interval,
             }
+
+
+def _lower_median(values: list[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 class DepthSession:

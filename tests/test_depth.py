@@ -24,6 +24,7 @@ class Sim:
 
     def __init__(self, cost, rate, *, max_depth=8, seed=0):
         self.now = 0.0
+        self.speed = 1.0  # the machine's slowness: every round's time is multiplied by it
         self.cost, self.rate = cost, rate
         self.rng = np.random.default_rng(seed)
         self.controller = DepthController(max_depth, clock=lambda: self.now)
@@ -34,7 +35,7 @@ class Sim:
         depth = self.session.depth
         self.depths.append(depth)
         self.session.round_started(depth)
-        self.now += self.cost(depth) * stall
+        self.now += self.cost(depth) * stall * self.speed
         accepted = 0
         while accepted < depth and self.rng.random() < self.rate:
             accepted += 1
@@ -121,6 +122,56 @@ def test_a_parked_controller_remeasures_the_cost_of_drafting_on_probes():
             break
     assert sim.controller.selected() == 1
     assert sim.controller.cost(1) < 0.045
+
+
+def smollm2(depth: int) -> float:
+    """Round costs measured on SmolLM2-135M: depth 1/2/3 cost 1.21/1.45/1.92 plain steps."""
+    return 0.080 * [1.0, 1.21, 1.45, 1.92][min(depth, 3)] * (1 + 0.25 * max(depth - 3, 0))
+
+
+def test_a_machine_slowing_down_does_not_park_a_head_that_pays():
+    # Timing depth 1 in a slow spell against a depth 0 timed in a fast one would park the
+    # head: the costs are relative to a speed that the selected depth's rounds keep current.
+    sim = Sim(smollm2, 0.5, max_depth=4)
+    sim.run(600)
+    assert sim.controller.selected() >= 1
+    for speed in (1.4, 0.8, 1.25):
+        sim.speed = speed
+        sim.run(400)
+        late = np.array(sim.depths[-300:])
+        assert np.mean(late >= 1) > 0.9, speed
+        assert sim.controller.cost(0) == pytest.approx(0.080 * speed, rel=0.1)
+
+
+def test_shallower_probes_notice_plain_decoding_becoming_the_better_choice():
+    sim = Sim(smollm2, 0.5, max_depth=2)
+    sim.run(600)
+    assert sim.controller.selected() >= 1
+    assert 0 in sim.depths[-300:]  # the selected depth is probed from below too
+    sim.cost = lambda depth: 0.060 if depth == 0 else smollm2(depth)  # now plain pays
+    for _ in range(40 * PROBE_MAX):
+        sim.round()
+        if sim.controller.selected() == 0:
+            break
+    assert sim.controller.selected() == 0
+    assert sim.controller.cost(0) < 0.078  # re-measured: it was 0.080 at the selected depth
+
+
+def test_the_selected_depth_changes_only_for_a_clear_gain():
+    controller = DepthController(max_depth=1)
+    controller.record_cost(0, 0.100)
+    controller.record_cost(1, 0.148)  # depth 1 pays once position 1 is accepted > 48%
+
+    def settle(rate: float) -> int:
+        for i in range(400):  # evenly spread outcomes, so the EWMA sits at ``rate``
+            controller.observe(1, int((i + 1) * rate) - int(i * rate))
+        controller.next()
+        return controller.state()["selected"]
+
+    assert settle(0.50) == 0  # depth 1 would be 1.4% faster: not worth a change
+    assert settle(0.60) == 1  # 8% faster
+    assert settle(0.46) == 1  # depth 0 would be 1.4% faster
+    assert settle(0.36) == 0  # 9% faster
 
 
 def test_acceptance_ewma_follows_drift():
