@@ -177,8 +177,8 @@ def main(argv=None) -> int:
         "heldout_prompts": len(heldout),
         "heldout_templates": sorted({p.template for p in heldout}),
         "sampling": vars(sampling),
-        "greedy": evaluate_chain(head, target_np, _as_gen(greedy), args.depth, None),
-        "sampled": evaluate_chain(head, target_np, _as_gen(sampled), args.depth, sampling),
+        "greedy": evaluate_chain(head, target_np, greedy, args.depth, None),
+        "sampled": evaluate_chain(head, target_np, sampled, args.depth, sampling),
         "timing": time_steps(loaded, head, args.timing_reps),
     }
     with open(os.path.join(args.head, "config.json"), encoding="utf-8") as f:
@@ -194,15 +194,6 @@ def main(argv=None) -> int:
         out = bc.write_json(f"eval_head-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json", report)
     print(f"\nwrote {out}")
     return 0
-
-
-def _as_gen(seqs):
-    from mtp_training.generate import GenSequence
-
-    return [
-        GenSequence(s.prompt_index, s.temperature, s.prompt_len, s.tokens, s.hiddens, s.argmax)
-        for s in seqs
-    ]
 
 
 if __name__ == "__main__":

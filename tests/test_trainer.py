@@ -142,14 +142,17 @@ def test_sidecar_loads_through_the_runner_and_drafts_like_the_trained_head(train
     assert trained_agreement > train.agreement(fresh, batches) + 0.2
 
     # Drafting with the loaded head as the runner does: tokens from the draft vocabulary.
-    ev = chain.evaluate_chain(head, NumpyLlama(loaded.model), _gen(seqs), depth=3, sampling=None)
+    ev = chain.evaluate_chain(head, NumpyLlama(loaded.model), seqs, depth=3, sampling=None)
     assert abs(ev["conditional"][0] - trained_agreement) < 1e-6
 
 
-def test_chain_eval_counts_what_the_runners_draft_session_proposes(trained):
+@pytest.mark.parametrize("vocabulary", ["draft", "full"])
+def test_chain_eval_counts_what_the_runners_draft_session_proposes(trained, vocabulary):
     target, _, work, out, _ = trained
     loaded = load_model(target)
     head, _ = load_draft_head(loaded, out)
+    if vocabulary == "full":  # e.g. a published MTP head: drafts over the target's output
+        head.set_draft_vocab(None)
     # Sampled answers have varied labels; compare greedy drafts against the target's argmax.
     seq = max((s for s in dataset.load_sequences(work) if s.temperature > 0),
               key=lambda s: len(s.tokens) - s.prompt_len)  # fmt: skip
@@ -167,7 +170,7 @@ def test_chain_eval_counts_what_the_runners_draft_session_proposes(trained):
             if drafts[j] != seq.argmax[t + j + 1]:
                 break
     assert tries[0] >= 10 and 0 < hits[0]
-    ev = chain.evaluate_chain(head, NumpyLlama(loaded.model), _gen([seq]), depth, sampling=None)
+    ev = chain.evaluate_chain(head, NumpyLlama(loaded.model), [seq], depth, sampling=None)
     assert ev["positions"] == tries[0]
     expected = [h / n if n else None for h, n in zip(hits, tries, strict=True)]
     assert ev["conditional"] == pytest.approx(expected)
@@ -250,15 +253,6 @@ def test_adding_prompts_extends_the_cached_plan(trained, tmp_path):
 
 
 # -- parts ------------------------------------------------------------------------------------
-
-
-def _gen(seqs):
-    return [
-        generate.GenSequence(
-            s.prompt_index, s.temperature, s.prompt_len, s.tokens, s.hiddens, s.argmax
-        )  # fmt: skip
-        for s in seqs
-    ]
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,8 @@ import numpy as np
 
 from cache.kv import KVCache
 
-from .generate import GenSequence, prefill_mask, processed_topk, step_mask
+from .dataset import Sequence
+from .generate import prefill_mask, processed_topk, step_mask
 
 
 @dataclass
@@ -71,7 +72,7 @@ class ChainResult:
 def evaluate_chain(
     head,
     target_np,
-    seqs: list[GenSequence],
+    seqs: list[Sequence],
     depth: int,
     sampling: SamplingOptions | None,
     batch_size: int = 32,
@@ -85,7 +86,7 @@ def evaluate_chain(
     return result.summary()
 
 
-def _target_dists(target_np, seq: GenSequence, sampling: SamplingOptions):
+def _target_dists(target_np, seq: Sequence, sampling: SamplingOptions):
     """Processed target distributions at every fed position of ``seq`` (sparse)."""
     logits = target_np.logits(seq.hiddens.astype(np.float32))
     return processed_topk(logits, sampling.temperature, sampling.top_k, sampling.top_p)
@@ -105,6 +106,10 @@ def _run_batch(head, target_np, seqs, depth, sampling, result: ChainResult) -> N
         tok[b, pads[b] : pads[b] + len(s.tokens)] = s.tokens
         hid[b, pads[b] : pads[b] + len(s.hiddens)] = s.hiddens
     dists = [_target_dists(target_np, s, sampling) for s in seqs] if sampling else None
+
+    def full_vocabulary(y: mx.array) -> mx.array:  # a head without a draft vocabulary
+        return mx.array(target_np.logits(np.array(y, dtype=np.float32)))
+
     cache = KVCache()
     # Committed pairs before the first frontier: columns 0..width-2 (pair c = (t_{c+1}, h_c)).
     if width > 1:
@@ -119,7 +124,7 @@ def _run_batch(head, target_np, seqs, depth, sampling, result: ChainResult) -> N
         for j in range(depth):
             mask = mx.array(step_mask(pads, c + j + 1))[:, None]
             y = head(token, hidden, cache, mask)
-            logits = head.logits(y, None)[:, 0]
+            logits = head.logits(y, full_vocabulary)[:, 0]
             steps_logits.append(logits)
             if sampling:
                 token = mx.array(tok[:, c + j + 2 : c + j + 3])

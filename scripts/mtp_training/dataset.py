@@ -101,7 +101,7 @@ def save_batch(path: str, seqs) -> None:
         argmax=np.concatenate([s.argmax for s in seqs]),
         lengths=np.array([len(s.tokens) for s in seqs], dtype=np.int64),
         prompt_lens=np.array([s.prompt_len for s in seqs], dtype=np.int64),
-        prompt_index=np.array([s.prompt_id for s in seqs], dtype=np.int64),
+        prompt_index=np.array([s.prompt_index for s in seqs], dtype=np.int64),
         temperature=np.array([s.temperature for s in seqs], dtype=np.float32),
     )
     os.replace(tmp, path)
@@ -177,15 +177,21 @@ def run_generation(work_dir: str, workers: int) -> float:
 
 @dataclass
 class Sequence:
-    """A generated sequence as training sees it (see generate.GenSequence)."""
+    """One prompt + answer, as generation writes it and training and evaluation read it.
+    ``tokens[:-1]`` were fed; row t of ``hiddens``/``argmax`` is the target's output after
+    feeding ``tokens[t]`` (``argmax`` is -1 inside the prompt, except at its last position)."""
 
     prompt_index: int
     temperature: float
     prompt_len: int
-    tokens: np.ndarray
-    hiddens: np.ndarray
-    argmax: np.ndarray
-    heldout: bool
+    tokens: np.ndarray  # int32 [T]
+    hiddens: np.ndarray  # float16 [T-1, D]
+    argmax: np.ndarray  # int32 [T-1]
+    heldout: bool = False
+
+    @property
+    def answer_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
 
 def load_sequences(work_dir: str, partial: bool = False) -> list[Sequence]:

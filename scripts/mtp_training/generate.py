@@ -9,29 +9,10 @@ row attends to, and an additive mask hides the pad columns. The forward pass is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from .dataset import Sequence
 from .npmodel import NEG, NumpyLlama
-
-
-@dataclass
-class GenSequence:
-    """One prompt + answer. ``tokens[:-1]`` were fed; row t of ``hiddens``/``argmax`` is the
-    target's output after feeding ``tokens[t]`` (``argmax`` is -1 inside the prompt, except
-    at its last position)."""
-
-    prompt_id: int
-    temperature: float
-    prompt_len: int
-    tokens: np.ndarray  # int32 [T]
-    hiddens: np.ndarray  # float16 [T-1, D]
-    argmax: np.ndarray  # int32 [T-1]
-
-    @property
-    def answer_len(self) -> int:
-        return len(self.tokens) - self.prompt_len
 
 
 def prefill_mask(pads: np.ndarray, length: int) -> np.ndarray:
@@ -104,7 +85,7 @@ def generate_batch(
     top_k: int = 40,
     top_p: float = 1.0,
     pad_id: int = 0,
-) -> list[GenSequence]:
+) -> list[Sequence]:
     """Generate one answer per prompt (row temperature 0 = greedy), capturing hiddens."""
     rng = np.random.default_rng(seed)
     batch = len(prompts)
@@ -153,8 +134,8 @@ def generate_batch(
         amax_prompt = np.full(int(lengths[b]), -1, dtype=np.int32)
         amax_prompt[-1] = first_argmax[b]
         seqs.append(
-            GenSequence(
-                prompt_id=prompt_ids[b],
+            Sequence(
+                prompt_index=prompt_ids[b],
                 temperature=float(temps[b]),
                 prompt_len=int(lengths[b]),
                 tokens=np.array(list(prompts[b]) + out_tokens[b], dtype=np.int32),
