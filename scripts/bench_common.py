@@ -64,8 +64,9 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def write_json(name: str, data: dict) -> str:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
+    """Write ``data`` to ``name`` under bench-results/ (an absolute path is kept as is)."""
     path = os.path.join(RESULTS_DIR, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
     return path

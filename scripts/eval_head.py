@@ -185,13 +185,9 @@ def main(argv=None) -> int:
         report["training"] = json.load(f).get("training", {})
     report["minutes"] = round((time.time() - start) / 60, 2)
     print_table(report)
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        out = args.json
-    else:  # under the repository's bench-results/, wherever the script runs from
-        out = bc.write_json(f"eval_head-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json", report)
+    # By default under the repository's bench-results/, wherever the script runs from.
+    default = f"eval_head-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = bc.write_json(os.path.abspath(args.json) if args.json else default, report)
     print(f"\nwrote {out}")
     return 0
 

@@ -58,13 +58,14 @@ def simulate(policy: str, rates: tuple[float, float], seed: int, noise: float, s
     mean_noise = math.exp(noise**2 / 2)  # plain steps are as noisy on average
     for _ in range(PROMPTS):
         rate = rng.uniform(*rates)
-        session = controller.session() if policy == "adaptive" else None
-        fixed = None if session else depth_module.FixedDepth(int(policy.split()[-1]))
-        view = session or fixed
+        if policy == "adaptive":
+            view = controller.session()
+        else:
+            view = depth_module.FixedDepth(int(policy.split()[-1]))
         clock[0] += 5.0  # prefill and idle time between requests: not a round
         done = 0
         while done < TOKENS:
-            depth = view.depth if view.enabled else 0
+            depth = view.depth
             view.round_started(depth)
             speed = 1.0 + swing * math.sin(2 * math.pi * rounds / 400)
             seconds = STEP_SECONDS * relative_cost(depth) * speed * math.exp(rng.normal(0, noise))
