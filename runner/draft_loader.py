@@ -32,7 +32,7 @@ from runner import default_model
 from runner.errors import DraftHeadError
 from runner.loader import LoadedModel
 from runner.models.layers import Linear, pack_for_cpu
-from runner.models.llama import DecoderLayer
+from runner.models.llama import DecoderLayer, fuse_projections, private_arrays
 
 log = logging.getLogger("mtp_runner.draft_loader")
 
@@ -204,10 +204,8 @@ def pack_head(head: MTPHead) -> None:
         packed.update(fc.parameters())
         head.fc = packed
     pack_for_cpu(head)
-    mx.eval(
-        [v for _, m in head.named_modules() for k, v in m.items() if k == "_wt"],
-        head.parameters(),
-    )
+    fuse_projections(head)
+    mx.eval([v for _, v in private_arrays(head)], head.parameters())
 
 
 def _target_is_packed(model) -> bool:

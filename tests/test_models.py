@@ -136,7 +136,8 @@ def test_row_layout_serves_verify_rows_with_the_same_results(checkpoint_factory)
     PREFIX = MAX_ROWS_LEFT + 1
     assert PREFIX + 3 <= len(TOKENS)
     before = {rows: feed(rows) for rows in (1, 2, 3)}
-    assert add_row_layout(model) == 7 * len(model.layers)  # q, k, v, o, gate, up, down
+    # o and down; q/k/v and gate/up are fused, and the fused product serves every row count.
+    assert add_row_layout(model) == 2 * len(model.layers)
     for rows, logits in before.items():
         np.testing.assert_allclose(np.array(feed(rows)), np.array(logits), atol=1e-4, rtol=1e-4)
     # The copy is what multi-row feeds read (and only they): spoil it and only they change.
@@ -145,6 +146,37 @@ def test_row_layout_serves_verify_rows_with_the_same_results(checkpoint_factory)
             child._w_rows = mx.zeros_like(child._w_rows)
     np.testing.assert_allclose(np.array(feed(1)), np.array(before[1]), atol=1e-4, rtol=1e-4)
     assert float(mx.abs(feed(3) - before[3]).max()) > 1e-2
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])  # plain, biases, qk-norm
+def test_fused_projections_compute_what_the_separate_ones_do(checkpoint_factory, model_type):
+    from runner.models.layers import dense_weight
+    from runner.models.llama import fuse_projections
+
+    path = checkpoint_factory(model_type)
+    separate = load_model(path, pack=False).model
+    fused = load_model(path, pack=True).model
+    assert fuse_projections(fused) == 0  # packing fused every block already
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    assert "_qkv_t" in attn and "_gate_up_t" in mlp
+    # Each projection stays readable on its own (exports, the trainer's NumPy copy).
+    for name in ("q_proj", "k_proj", "v_proj"):
+        want = separate.layers[0].self_attn[name].weight
+        np.testing.assert_array_equal(np.array(dense_weight(attn[name])), np.array(want))
+
+    def feed(model, rows: int):
+        caches = model.make_caches()
+        model.forward(mx.array([TOKENS[:9]]), caches)
+        return model.forward(mx.array([TOKENS[9 : 9 + rows]]), caches)[0]
+
+    for rows in (1, 3):
+        np.testing.assert_allclose(
+            np.array(feed(fused, rows)), np.array(feed(separate, rows)), atol=1e-4, rtol=1e-4
+        )
+    # The fused matrices are what the forward reads.
+    before = feed(fused, 1)
+    attn._qkv_t = mx.zeros_like(attn._qkv_t)
+    assert float(mx.abs(feed(fused, 1) - before).max()) > 1e-2
 
 
 ROPE_VARIANTS = [

@@ -38,6 +38,29 @@ class Linear(nn.Linear):
             del self["weight"]
 
 
+def fuse_linears(parts: list[nn.Module]) -> tuple[mx.array, mx.array | None] | None:
+    """One ``[in, sum of outs]`` weight (and bias) for packed projections that read the same
+    input, or None when they cannot share one (quantized, unpacked, mixed biases). The parts
+    keep their ``_wt`` as column views of the fused matrix, so ``dense_weight`` still reads
+    them and no weight is stored twice."""
+    if not all(
+        isinstance(p, Linear) and "_wt" in p and not getattr(p, "fused", False) for p in parts
+    ):
+        return None
+    biased = ["bias" in p for p in parts]
+    if any(biased) and not all(biased):
+        return None
+    fused = mx.contiguous(mx.concatenate([p._wt for p in parts], axis=1))
+    bias = mx.concatenate([p["bias"] for p in parts]) if all(biased) else None
+    start = 0
+    for p in parts:
+        width = p._wt.shape[1]
+        p._wt = fused[:, start : start + width]
+        p.fused = True  # add_row_layout skips it: the fused product serves every row count
+        start += width
+    return fused, bias
+
+
 def dense_weight(layer: nn.Module) -> mx.array:
     """The ``[out, in]`` weight of a (possibly packed or quantized) linear layer."""
     if isinstance(layer, nn.QuantizedLinear):
@@ -63,7 +86,12 @@ def add_row_layout(module: nn.Module) -> int:
     (speculative verification); costs the weights' memory once more. Returns how many."""
     count = 0
     for _, child in module.named_modules():
-        if isinstance(child, Linear) and "_wt" in child and "_w_rows" not in child:
+        if (
+            isinstance(child, Linear)
+            and "_wt" in child
+            and "_w_rows" not in child
+            and not getattr(child, "fused", False)
+        ):
             child._w_rows = mx.contiguous(child._wt.T)
             count += 1
     mx.eval([c._w_rows for _, c in module.named_modules() if "_w_rows" in c])

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cache.kv import KVCache
-from runner.models.layers import Linear, dense_weight, pack_for_cpu
+from runner.models.layers import Linear, dense_weight, fuse_linears, pack_for_cpu
 from runner.models.rope import RoPE, RopeTables
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -85,13 +85,36 @@ class Attention(nn.Module):
             scaling=args.rope_scaling,
         )  # fmt: skip
 
+    def fuse(self) -> bool:
+        """Compute q, k and v in one product (see ``fuse_linears``)."""
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self._qkv_t, bias = fused
+            if bias is not None:
+                self._qkv_bias = bias
+        return fused is not None
+
+    def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if "_qkv_t" not in self:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = x @ self._qkv_t
+        if "_qkv_bias" in self:
+            qkv = qkv + self._qkv_bias
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return (
+            qkv[..., :q_width],
+            qkv[..., q_width : q_width + kv_width],
+            qkv[..., q_width + kv_width :],
+        )
+
     def __call__(
         self, x: mx.array, mask: Mask, cache: KVCache, rope: RopeTables | None = None
     ) -> mx.array:
         batch, length, _ = x.shape
-        q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
+        q = q.reshape(batch, length, self.n_heads, self.head_dim)
+        k = k.reshape(batch, length, self.n_kv_heads, self.head_dim)
+        v = v.reshape(batch, length, self.n_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -137,8 +160,24 @@ class MLP(nn.Module):
         self.up_proj = Linear(dim, hidden, bias=bias)
         self.down_proj = Linear(hidden, dim, bias=bias)
 
+    def fuse(self) -> bool:
+        """Compute gate and up in one product (see ``fuse_linears``)."""
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self._gate_up_t, bias = fused
+            if bias is not None:
+                self._gate_up_bias = bias
+        return fused is not None
+
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "_gate_up_t" in self:
+            gate_up = x @ self._gate_up_t
+            if "_gate_up_bias" in self:
+                gate_up = gate_up + self._gate_up_bias
+            gate, up = mx.split(gate_up, 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -156,6 +195,15 @@ class DecoderLayer(nn.Module):
     ) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def fuse_projections(module: nn.Module) -> int:
+    """Fuse the packed q/k/v and gate/up projections of every block below ``module``; return
+    how many products were fused. On this CPU a one-row forward of SmolLM2-135M runs ~7%
+    faster (fewer, larger BLAS calls), verify rows a few percent; see the README."""
+    return sum(
+        child.fuse() for _, child in module.named_modules() if isinstance(child, Attention | MLP)
+    )
 
 
 class LlamaModel(nn.Module):
@@ -240,11 +288,12 @@ class Model(nn.Module):
     def pack_for_cpu(self) -> None:
         """Store dense weights transposed for fast one-row matmuls (see ``layers``)."""
         pack_for_cpu(self)
+        fuse_projections(self)
         embed = self.model.embed_tokens
         if self.args.tie_word_embeddings and type(embed) is nn.Embedding:
             # Lookups need the [V, D] table; the output projection wants [D, V] contiguous.
             self._embed_t = mx.contiguous(embed.weight.T)
-        mx.eval([v for _, v in _private_arrays(self)])
+        mx.eval([v for _, v in private_arrays(self)])
 
     def forward(
         self, tokens: mx.array, caches: list[KVCache], mask: Mask = None
@@ -261,7 +310,7 @@ class Model(nn.Module):
         return self.forward(tokens, caches)[0]
 
 
-def _private_arrays(module: nn.Module):
+def private_arrays(module: nn.Module):
     """Arrays kept outside ``parameters()`` (underscore keys), e.g. packed weights."""
     for _, child in module.named_modules():
         for key, value in child.items():
