@@ -38,27 +38,38 @@ class Linear(nn.Linear):
             del self["weight"]
 
 
-def fuse_linears(parts: list[nn.Module]) -> tuple[mx.array, mx.array | None] | None:
-    """One ``[in, sum of outs]`` weight (and bias) for packed projections that read the same
-    input, or None when they cannot share one (quantized, unpacked, mixed biases). The parts
-    keep their ``_wt`` as column views of the fused matrix, so ``dense_weight`` still reads
-    them and no weight is stored twice."""
+def fuse_linears(owner: nn.Module, key: str, parts: list[nn.Module]) -> bool:
+    """Store one ``[in, sum of outs]`` weight for packed projections that read the same input
+    as ``owner[key]`` (a bias, when they all have one, as ``owner[key + "_bias"]``); False when
+    they cannot share one (quantized, unpacked, mixed biases, already fused). The parts keep
+    their ``_wt`` as column views of the fused matrix, so ``dense_weight`` still reads them and
+    no weight is stored twice. :func:`fused_product` applies it."""
     if not all(
         isinstance(p, Linear) and "_wt" in p and not getattr(p, "fused", False) for p in parts
     ):
-        return None
+        return False
     biased = ["bias" in p for p in parts]
     if any(biased) and not all(biased):
-        return None
+        return False
     fused = mx.contiguous(mx.concatenate([p._wt for p in parts], axis=1))
-    bias = mx.concatenate([p["bias"] for p in parts]) if all(biased) else None
+    owner[key] = fused
+    if all(biased):
+        owner[key + "_bias"] = mx.concatenate([p["bias"] for p in parts])
     start = 0
     for p in parts:
         width = p._wt.shape[1]
         p._wt = fused[:, start : start + width]
         p.fused = True  # add_row_layout skips it: the fused product serves every row count
         start += width
-    return fused, bias
+    return True
+
+
+def fused_product(owner: nn.Module, key: str, x: mx.array) -> mx.array:
+    """``x`` through the projections :func:`fuse_linears` stored as ``owner[key]``; for verify
+    rows too (``x @ Wt`` beat the ``[out, in]`` layout for the fused shapes)."""
+    y = x @ owner[key]
+    bias = owner.get(key + "_bias")
+    return y if bias is None else y + bias
 
 
 def dense_weight(layer: nn.Module) -> mx.array:

@@ -12,7 +12,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cache.kv import KVCache
-from runner.models.layers import Linear, dense_weight, fuse_linears, pack_for_cpu
+from runner.models.layers import (
+    Linear,
+    dense_weight,
+    fuse_linears,
+    fused_product,
+    pack_for_cpu,
+)
 from runner.models.rope import RoPE, RopeTables
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -87,19 +93,12 @@ class Attention(nn.Module):
 
     def fuse(self) -> bool:
         """Compute q, k and v in one product (see ``fuse_linears``)."""
-        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        if fused is not None:
-            self._qkv_t, bias = fused
-            if bias is not None:
-                self._qkv_bias = bias
-        return fused is not None
+        return fuse_linears(self, "_qkv_t", [self.q_proj, self.k_proj, self.v_proj])
 
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if "_qkv_t" not in self:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        qkv = x @ self._qkv_t
-        if "_qkv_bias" in self:
-            qkv = qkv + self._qkv_bias
+        qkv = fused_product(self, "_qkv_t", x)
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         return (
             qkv[..., :q_width],
@@ -162,19 +161,11 @@ class MLP(nn.Module):
 
     def fuse(self) -> bool:
         """Compute gate and up in one product (see ``fuse_linears``)."""
-        fused = fuse_linears([self.gate_proj, self.up_proj])
-        if fused is not None:
-            self._gate_up_t, bias = fused
-            if bias is not None:
-                self._gate_up_bias = bias
-        return fused is not None
+        return fuse_linears(self, "_gate_up_t", [self.gate_proj, self.up_proj])
 
     def __call__(self, x: mx.array) -> mx.array:
         if "_gate_up_t" in self:
-            gate_up = x @ self._gate_up_t
-            if "_gate_up_bias" in self:
-                gate_up = gate_up + self._gate_up_bias
-            gate, up = mx.split(gate_up, 2, axis=-1)
+            gate, up = mx.split(fused_product(self, "_gate_up_t", x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(nn.silu(gate) * up)
