@@ -92,7 +92,8 @@ def speculate(p: mx.array, q: mx.array, drafts: mx.array, sampler: DrawSource) -
 
 def greedy_decision(p: mx.array, drafts: mx.array) -> Decision:
     """Greedy verification: accept while the draft equals the target's argmax; the successor
-    after i accepted drafts is the target's argmax at row i. Consumes no randomness."""
+    after i accepted drafts is the target's argmax at row i. Consumes no randomness. ``p`` may
+    be the one-hot rows or the (penalised) logits themselves: both have the same argmax."""
     target = mx.argmax(p, axis=-1).astype(mx.int32)
     k = drafts.shape[-1]
     return Decision(drafts.astype(mx.int32) == target[..., :k], target)

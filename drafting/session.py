@@ -35,7 +35,9 @@ FLUSH_AT = 256
 
 
 class Sampler(Protocol):
-    """What ``propose`` needs from ``runner.sampler.Sampler`` (see docs/INTERNALS.md)."""
+    """What ``propose`` needs from ``runner.sampler.Sampler`` (see docs/INTERNALS.md). A
+    sampler whose ``greedy`` is true and ``penalises`` false (both optional) gets the head's
+    argmax as its draft directly; ``q`` stays its lazy one-hot, never built unless read."""
 
     def distributions(self, logits: mx.array, chain: Any) -> mx.array: ...
 
@@ -206,6 +208,7 @@ class DraftSession:
         if self.cache.offset > self._offset:
             self.cache.rewind(self._offset)
         y = self._held
+        argmax = getattr(sampler, "greedy", False) and not getattr(sampler, "penalises", True)
         drafts: list[mx.array] = []
         dists: list[mx.array] = []
         for step in range(k):
@@ -214,7 +217,10 @@ class DraftSession:
             logits = self.head.draft_logits(y[0, -1:], self.unembed)
             chain = mx.concatenate(drafts) if drafts else mx.zeros((0,), dtype=mx.int32)
             q = sampler.distributions(logits, chain)
-            drafts.append(sampler.draw(q).reshape(1).astype(mx.int32))
+            if argmax:  # the same token as draw(q), from the draft vocabulary's columns only
+                drafts.append(self.head.argmax_draft(y[0, -1:], self.unembed).reshape(1))
+            else:
+                drafts.append(sampler.draw(q).reshape(1).astype(mx.int32))
             dists.append(q)
         return Proposal(tokens=mx.concatenate(drafts), probs=mx.concatenate(dists, axis=0))
 

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(saves the projection weights' memory once; verification gets ~10%% slower)",
     )
     p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="run every block eagerly (compiled blocks need a C++ compiler for their fused "
+        "kernels on CPU; without one MLX runs them unfused)",
+    )
+    p.add_argument(
         "--queue-limit",
         type=positive_int,
         default=64,
@@ -151,6 +157,7 @@ def engine_factory(args: argparse.Namespace):
             keep_quantized=args.keep_quantized,
             pack=False if args.no_pack else None,
             row_layout=not args.no_row_layout,
+            compile=not args.no_compile,
         )
         return Engine(options, progress=progress)
 

@@ -29,6 +29,7 @@ from runner.draft_loader import load_draft_head
 from runner.emit import OPEN_MARKER, Emitter
 from runner.loader import LoadedModel, load_model
 from runner.models.layers import add_row_layout
+from runner.models.llama import compile_blocks
 from runner.sampler import Sampler, SamplingParams
 from runner.speculative import MlxRoundOps, decode_speculative, guarded
 
@@ -68,6 +69,9 @@ class EngineOptions:
     # With a head on a packed model, also keep the [out, in] weights for verify rows
     # (6-12% cheaper verification, the weights' memory once more; runner.models.layers).
     row_layout: bool = True
+    # Compile the fixed-shape parts of each block for decode and verify rows
+    # (runner.models.llama.compile_blocks): ~15% faster one-row forwards on this CPU.
+    compile: bool = True
 
 
 @dataclass
@@ -127,6 +131,11 @@ class Engine:
             self.head, mtp_detail = load_draft_head(self.loaded, options.draft_path, auto=True)
         if self.head is not None and options.row_layout:
             add_row_layout(self.model)
+        if options.compile:  # after every weight change above: compiled blocks capture them
+            compile_blocks(self.model)
+            if self.head is not None:
+                compile_blocks(self.head)
+            self._warm_up(report)
         self.draft_cache = KVCache() if self.head is not None else None
         self.all_caches = [*self.caches] + ([self.draft_cache] if self.draft_cache else [])
         self.prefix: PrefixCache = self._make_prefix_cache()
@@ -142,6 +151,20 @@ class Engine:
         self.active: str | None = None
 
     # ----------------------------------------------------------------- set-up helpers
+    def _warm_up(self, report: Progress) -> None:
+        """Trace the compiled blocks for decode and depth-1 verify rows before the first
+        request. The first run on a machine also JIT-compiles their fused CPU kernels
+        (~10 s; MLX keeps them under $TMPDIR/mlx for later processes)."""
+        report("compile", 0, 1)
+        for rows in (1, 2):
+            caches = self.model.make_caches()
+            hidden = self.model.hidden(mx.zeros((1, rows), dtype=mx.int32), caches)
+            outputs = [self.model.unembed(hidden)]
+            if self.head is not None:
+                outputs.append(self.head(mx.zeros((1, rows), dtype=mx.int32), hidden, KVCache()))
+            mx.eval(outputs)
+        report("compile", 1, 1)
+
     def _make_prefix_cache(self) -> PrefixCache:
         budget = self.options.cache_bytes or default_cache_bytes()
         # With a draft KV, keys pair each token with the next so every restore point is

@@ -132,6 +132,11 @@ class Sampler:
             seed = int.from_bytes(os.urandom(8), "little")
         self._key = mx.random.key(int(seed) & _U64)
 
+    @property
+    def penalises(self) -> bool:
+        """Some penalty rewrites logits (so a greedy pick is not the raw argmax)."""
+        return self._window > 0
+
     # -- the key stream -------------------------------------------------------------------
 
     def _next_key(self) -> mx.array:

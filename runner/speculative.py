@@ -128,10 +128,10 @@ class MlxRoundOps:
                 drafts = mx.zeros((0,), dtype=mx.int32)
             else:
                 drafts = proposal.tokens.astype(mx.int32)
-                p = self.sampler.distributions(logits, drafts)
-                if self.sampler.greedy:
-                    decision = greedy_decision(p, drafts)
+                if self.sampler.greedy:  # the argmax of the penalised rows: no one-hot needed
+                    decision = greedy_decision(self.sampler.penalised(logits, drafts), drafts)
                 else:
+                    p = self.sampler.distributions(logits, drafts)
                     decision = speculate(p, proposal.probs, drafts, self.sampler)
                 decision_accept, successors = decision
         except Exception as exc:  # building the graph failed: nothing was evaluated yet

@@ -1,7 +1,7 @@
 """Prefill and decode speed of the bare model on the default model, per BLAS/dtype setting.
 
 Each configuration runs in its own process (the BLAS choice is fixed at import), several
-times; the table shows medians. Usage:
+times, the configurations taking turns; the table shows medians. Usage:
 
     python scripts/bench_forward.py [--model PATH] [--reps 3] [--prefill 512] [--decode 128]
 """
@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 CONFIGS = {
-    "float32 + OpenBLAS (packed, default)": {"env": {}, "args": []},
+    "float32 + OpenBLAS (packed, compiled blocks: default)": {"env": {}, "args": ["--compile"]},
+    "float32 + OpenBLAS (packed, eager)": {"env": {}, "args": []},
     "float32 + OpenBLAS (HF layout)": {"env": {}, "args": ["--no-pack"]},
     "float32, bundled BLAS": {"env": {"MTP_RUNNER_NO_OPENBLAS": "1"}, "args": []},
     "quantized Q4_1/Q8_0 (kept)": {"env": {}, "args": ["--keep-quantized"]},
@@ -34,6 +35,10 @@ def worker(args: argparse.Namespace) -> None:
 
     loaded = load_model(args.model, keep_quantized=args.keep_quantized, pack=not args.no_pack)
     model = loaded.model
+    if args.compile:
+        from runner.models.llama import compile_blocks
+
+        compile_blocks(model)
     prompt = mx.array([[(i * 7919) % 40000 + 100 for i in range(args.prefill)]], dtype=mx.int32)
 
     warm = model.make_caches()  # first-use costs (allocations, BLAS threads) are not timed
@@ -81,6 +86,7 @@ def main() -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-pack", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--keep-quantized", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model is None:
         from runner.default_model import ensure_default_model
@@ -90,17 +96,17 @@ def main() -> int:
         worker(args)
         return 0
 
-    results = {}
-    for name, cfg in CONFIGS.items():
-        if args.only and args.only not in name:
-            continue
-        runs = []
-        for _ in range(args.reps):
+    chosen = {n: c for n, c in CONFIGS.items() if not args.only or args.only in n}
+    all_runs: dict[str, list[dict]] = {name: [] for name in chosen}
+    for _ in range(args.reps):  # configurations take turns, so a drift hits them alike
+        for name, cfg in chosen.items():
             cmd = [sys.executable, __file__, "--worker", "--model", args.model]
             cmd += ["--prefill", str(args.prefill), "--decode", str(args.decode), *cfg["args"]]
             env = dict(os.environ, **cfg["env"])
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            all_runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    results = {}
+    for name, runs in all_runs.items():
         results[name] = {
             "prefill_tps": statistics.median(r["prefill_tps"] for r in runs),
             "decode_tps": statistics.median(r["decode_tps"] for r in runs),

@@ -4,16 +4,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-openblas_present() {
-  ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1
-}
-if [ "$(uname -s)" = "Linux" ] && ! openblas_present && command -v apt-get >/dev/null 2>&1; then
+apt_install() {  # package, what is lost without it
   sudo=""
   if [ "$(id -u)" != "0" ]; then sudo="sudo"; fi
-  echo "bootstrap: installing libopenblas0-pthread" >&2
-  $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 \
-    || { $sudo apt-get update -qq >/dev/null 2>&1 && $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1; } \
-    || echo "bootstrap: warning: could not install OpenBLAS; float32 matmuls will be slow" >&2
+  echo "bootstrap: installing $1" >&2
+  $sudo apt-get install -y -qq "$1" >/dev/null 2>&1 \
+    || { $sudo apt-get update -qq >/dev/null 2>&1 && $sudo apt-get install -y -qq "$1" >/dev/null 2>&1; } \
+    || echo "bootstrap: warning: could not install $1; $2" >&2
+}
+if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
+  if ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+    apt_install libopenblas0-pthread "float32 matmuls will be slow"
+  fi
+  # MLX JIT-compiles the fused CPU kernels of compiled blocks with g++ (runner.models.llama).
+  if ! command -v g++ >/dev/null 2>&1; then
+    apt_install g++ "compiled blocks will run unfused (slower decoding)"
+  fi
 fi
 
 PYTHON="${PYTHON:-python3}"

@@ -220,3 +220,36 @@ def test_attention_masks_agree_with_mlx_attention(tiny_checkpoint):
     one = mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=attn.scale)
     got = attn._attend(q[:, :, :1], k, v, None)
     np.testing.assert_allclose(np.array(got), np.array(one), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])  # plain, biases, qk-norm
+def test_compiled_blocks_compute_what_the_eager_ones_do(checkpoint_factory, model_type):
+    from runner.models.llama import COMPILED_MAX_ROWS, compile_blocks, uncompile_blocks
+
+    path = checkpoint_factory(model_type)
+    eager = load_model(path, pack=True).model
+    compiled = load_model(path, pack=True).model
+    assert compile_blocks(compiled) == len(compiled.layers)
+
+    def feed(model, prefix: int, rows: int):
+        caches = model.make_caches()
+        model.forward(mx.array([TOKENS[:prefix]]), caches)
+        return model.forward(mx.array([TOKENS[prefix : prefix + rows]]), caches)[0]
+
+    # Decode and verify rows after a cached prefix, and a first chunk too long to compile.
+    long = COMPILED_MAX_ROWS + 1
+    assert long + 3 <= len(TOKENS)
+    for prefix, rows in ((9, 1), (9, 2), (9, 3), (1, long), (long, 2)):
+        np.testing.assert_allclose(
+            np.array(feed(compiled, prefix, rows)), np.array(feed(eager, prefix, rows)),
+            atol=1e-4, rtol=1e-4,
+        )  # fmt: skip
+    # Compiled parts read the weights they traced: few-row feeds keep them after a change,
+    # longer (eager) ones see it at once, and uncompiling makes every feed see it.
+    before_short, before_long = feed(compiled, 9, 2), feed(compiled, 1, long)
+    mlp = compiled.layers[0].mlp
+    mlp.down_proj._wt = mx.zeros_like(mlp.down_proj._wt)
+    np.testing.assert_array_equal(np.array(feed(compiled, 9, 2)), np.array(before_short))
+    assert float(mx.abs(feed(compiled, 1, long) - before_long).max()) > 1e-2
+    assert uncompile_blocks(compiled) == len(compiled.layers)
+    assert float(mx.abs(feed(compiled, 9, 2) - before_short).max()) > 1e-2

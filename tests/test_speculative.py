@@ -42,9 +42,12 @@ def run(engine: Engine, prompt: str, **options) -> tuple[list[int], object, int]
 
 
 GREEDY = {"temperature": 0, "repeat_penalty": 1.0}
+# Penalised greedy drafts go through the sampler; unpenalised ones take the head's argmax.
+PENALISED = {"temperature": 0, "repeat_penalty": 1.3, "repeat_last_n": 8}
 
 
-def test_greedy_speculation_equals_plain_for_every_depth_and_budget(model_and_head):
+@pytest.mark.parametrize("sampling", [GREEDY, PENALISED], ids=["greedy", "penalised"])
+def test_greedy_speculation_equals_plain_for_every_depth_and_budget(model_and_head, sampling):
     path, head_dir = model_and_head
     plain = Engine(EngineOptions(model_path=path, use_draft=False, prefix_cache=False))
     engines = {
@@ -56,9 +59,9 @@ def test_greedy_speculation_equals_plain_for_every_depth_and_budget(model_and_he
     accepted = 0
     for prompt in PROMPTS:
         for budget in BUDGETS:
-            want, want_done, want_offset = run(plain, prompt, num_predict=budget, **GREEDY)
+            want, want_done, want_offset = run(plain, prompt, num_predict=budget, **sampling)
             for k, engine in engines.items():
-                got, done, offset = run(engine, prompt, num_predict=budget, **GREEDY)
+                got, done, offset = run(engine, prompt, num_predict=budget, **sampling)
                 assert got == want, (prompt, budget, k)
                 assert done.done_reason == want_done.done_reason
                 assert done.eval_tokens == want_done.eval_tokens

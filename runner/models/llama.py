@@ -109,6 +109,15 @@ class Attention(nn.Module):
     def __call__(
         self, x: mx.array, mask: Mask, cache: KVCache, rope: RopeTables | None = None
     ) -> mx.array:
+        if rope is None:
+            rope = self.rope.tables(cache.offset, x.shape[1], x.dtype)
+        return self.output(self.attend_cached(*self.queries_keys_values(x, *rope), mask, cache))
+
+    def queries_keys_values(
+        self, x: mx.array, cos: mx.array, sin: mx.array, rotation: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v ``[B, heads, L, head_dim]`` of ``x``, q and k rotated: everything before
+        the cache (fixed shapes for a given row count, so it compiles; see ``compile_blocks``)."""
         batch, length, _ = x.shape
         q, k, v = self._project(x)
         q = q.reshape(batch, length, self.n_heads, self.head_dim)
@@ -117,16 +126,22 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        if rope is None:
-            rope = self.rope.tables(cache.offset, length, x.dtype)
-        q = self.rope.apply(q, rope)
-        k = self.rope.apply(k, rope)
+        rope = (cos, sin, rotation)
+        return self.rope.apply(q, rope), self.rope.apply(k, rope), v
+
+    def attend_cached(
+        self, q: mx.array, k: mx.array, v: mx.array, mask: Mask, cache: KVCache
+    ) -> mx.array:
+        """Append k, v to the cache and attend over everything cached: ``[B, heads, L, dim]``."""
         k, v = cache.update_and_fetch(k, v)
         if mask is None or isinstance(mask, str) or mask.ndim == 2:
-            out = self._attend(q, k, v, mask)
-        else:  # a per-sequence mask (left-padded batches)
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+            return self._attend(q, k, v, mask)
+        # A per-sequence mask (left-padded batches).
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+
+    def output(self, attended: mx.array) -> mx.array:
+        batch, _, length, _ = attended.shape
+        return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Mask) -> mx.array:
         """Grouped-query attention in five ops. On CPU ``mx.fast.scaled_dot_product_attention``
@@ -172,7 +187,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer block; MTP heads reuse it with their own KV cache."""
+    """One pre-norm transformer block; MTP heads reuse it with their own KV cache.
+
+    The block runs as three parts: ``before_cache`` (norm, projections, rotation), the cache
+    append and attention (shapes change with every position), ``after_attention`` (output
+    projection, residuals, MLP). ``compile_blocks`` compiles the first and last for the few
+    rows of a decode step or a verify; prefill chunks and batches run them eagerly.
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -180,12 +201,72 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.compiled: CompiledBlock | None = None
 
     def __call__(
         self, x: mx.array, mask: Mask, cache: KVCache, rope: RopeTables | None = None
     ) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache, rope)
+        if rope is None:
+            rope = self.self_attn.rope.tables(cache.offset, x.shape[1], x.dtype)
+        before, after = self.before_cache, self.after_attention
+        if self.compiled is not None and self.compiled.serves(x):
+            before, after = self.compiled.before_cache, self.compiled.after_attention
+        q, k, v = before(x, *rope)
+        return after(x, self.self_attn.attend_cached(q, k, v, mask, cache))
+
+    def before_cache(
+        self, x: mx.array, cos: mx.array, sin: mx.array, rotation: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.queries_keys_values(self.input_layernorm(x), cos, sin, rotation)
+
+    def after_attention(self, x: mx.array, attended: mx.array) -> mx.array:
+        h = x + self.self_attn.output(attended)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# Row counts served by compiled blocks: decode steps, verify rows, small draft-head flushes.
+# Every count compiles once per block (the first call traces it); longer prefill chunks would
+# add a trace per distinct length for little gain, so they stay eager.
+COMPILED_MAX_ROWS = 16
+
+
+class CompiledBlock:
+    """``mx.compile``d parts of one ``DecoderLayer`` (a plain object, outside the parameter
+    tree). Compiled functions capture the weights they read when they first trace a shape:
+    compile only after the weights are final (packed, fused, row layout added), and call
+    ``uncompile_blocks`` before changing any of them."""
+
+    __slots__ = ("before_cache", "after_attention")
+
+    def __init__(self, layer: DecoderLayer) -> None:
+        self.before_cache = mx.compile(layer.before_cache)
+        self.after_attention = mx.compile(layer.after_attention)
+
+    @staticmethod
+    def serves(x: mx.array) -> bool:
+        return x.shape[0] == 1 and x.shape[1] <= COMPILED_MAX_ROWS
+
+
+def compile_blocks(module: nn.Module) -> int:
+    """Compile the fixed-shape parts of every block below ``module`` (see ``DecoderLayer``);
+    return how many blocks. On this CPU a one-row forward of SmolLM2-135M runs ~15% faster
+    (fused elementwise kernels, and a third of the graph-building time); see the README."""
+    count = 0
+    for _, child in module.named_modules():
+        if isinstance(child, DecoderLayer):
+            child.compiled = CompiledBlock(child)
+            count += 1
+    return count
+
+
+def uncompile_blocks(module: nn.Module) -> int:
+    """Drop the compiled parts below ``module`` (before changing weights); return how many."""
+    count = 0
+    for _, child in module.named_modules():
+        if isinstance(child, DecoderLayer) and child.compiled is not None:
+            child.compiled = None
+            count += 1
+    return count
 
 
 def fuse_projections(module: nn.Module) -> int:
