@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from runner import blas
+
 # Called with (tokens [L] int32 array, hiddens [L, D], position of tokens[0]) for every run of
 # tokens whose state the target caches keep: the draft session's `committed`.
 CommitHook = Callable[[mx.array, mx.array, int], None]
@@ -50,17 +52,18 @@ def prefill(
     start = position
     if not tokens:
         return start
-    for end in chunk_ends(position, position + len(tokens), chunk):
-        if cancelled():
-            raise Cancelled(start)
-        ids = mx.array(tokens[start - position : end - position], dtype=mx.int32)
-        hidden = model.hidden(ids[None], caches)
-        mx.eval(hidden, [c.state for c in caches])
-        if on_commit is not None:
-            on_commit(ids, hidden[0], start)
-        if on_chunk is not None:
-            on_chunk(end)
-        start = end
+    with blas.wide():
+        for end in chunk_ends(position, position + len(tokens), chunk):
+            if cancelled():
+                raise Cancelled(start)
+            ids = mx.array(tokens[start - position : end - position], dtype=mx.int32)
+            hidden = model.hidden(ids[None], caches)
+            mx.eval(hidden, [c.state for c in caches])
+            if on_commit is not None:
+                on_commit(ids, hidden[0], start)
+            if on_chunk is not None:
+                on_chunk(end)
+            start = end
     return start
 
 

@@ -20,10 +20,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 CONFIGS = {
-    "float32 + OpenBLAS (packed, compiled blocks: default)": {"env": {}, "args": ["--compile"]},
-    "float32 + OpenBLAS (packed, eager)": {"env": {}, "args": []},
-    "float32 + OpenBLAS (HF layout)": {"env": {}, "args": ["--no-pack"]},
-    "float32, bundled BLAS": {"env": {"MTP_RUNNER_NO_OPENBLAS": "1"}, "args": []},
+    "float32 + MKL (packed, compiled; default)": {
+        "env": {"MTP_RUNNER_BLAS": "mkl"},
+        "args": ["--compile"],
+    },
+    "float32 + MKL, threads left to MKL": {
+        "env": {"MTP_RUNNER_BLAS": "mkl", "MKL_NUM_THREADS": str(os.cpu_count() or 1)},
+        "args": ["--compile"],
+    },
+    "float32 + OpenBLAS (packed, compiled)": {
+        "env": {"MTP_RUNNER_BLAS": "openblas"},
+        "args": ["--compile"],
+    },
+    "float32 + OpenBLAS (packed, eager)": {"env": {"MTP_RUNNER_BLAS": "openblas"}, "args": []},
+    "float32 + OpenBLAS (HF layout)": {
+        "env": {"MTP_RUNNER_BLAS": "openblas"},
+        "args": ["--no-pack"],
+    },
+    "float32, bundled BLAS": {"env": {"MTP_RUNNER_BLAS": "bundled"}, "args": []},
     "quantized Q4_1/Q8_0 (kept)": {"env": {}, "args": ["--keep-quantized"]},
 }
 
@@ -42,12 +56,14 @@ def worker(args: argparse.Namespace) -> None:
     prompt = mx.array([[(i * 7919) % 40000 + 100 for i in range(args.prefill)]], dtype=mx.int32)
 
     warm = model.make_caches()  # first-use costs (allocations, BLAS threads) are not timed
-    mx.eval(model.hidden(prompt[:, :16], warm), [c.state for c in warm])
+    with runner.blas.wide():
+        mx.eval(model.hidden(prompt[:, :16], warm), [c.state for c in warm])
     caches = model.make_caches()
-    t = time.perf_counter()
-    h = model.hidden(prompt, caches)
-    mx.eval(h, [c.state for c in caches])
-    prefill_s = time.perf_counter() - t
+    with runner.blas.wide():  # as runner.decoder.prefill does
+        t = time.perf_counter()
+        h = model.hidden(prompt, caches)
+        mx.eval(h, [c.state for c in caches])
+        prefill_s = time.perf_counter() - t
 
     # Pipelined greedy decode: the next forward is dispatched before the token is read.
     def step(tok):
@@ -81,7 +97,11 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--decode", type=int, default=128)
-    parser.add_argument("--only", default=None, help="run configurations whose name contains this")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma list: run configurations whose name contains one of these",
+    )
     parser.add_argument("--out", default=os.path.join(ROOT, "bench-results", "forward.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-pack", action="store_true", help=argparse.SUPPRESS)
@@ -96,7 +116,8 @@ def main() -> int:
         worker(args)
         return 0
 
-    chosen = {n: c for n, c in CONFIGS.items() if not args.only or args.only in n}
+    wanted = [w for w in (args.only or "").split(",") if w]
+    chosen = {n: c for n, c in CONFIGS.items() if not wanted or any(w in n for w in wanted)}
     all_runs: dict[str, list[dict]] = {name: [] for name in chosen}
     for _ in range(args.reps):  # configurations take turns, so a drift hits them alike
         for name, cfg in chosen.items():
