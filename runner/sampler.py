@@ -34,6 +34,7 @@ pins it): speculative decoding relies on ``distributions`` being what plain samp
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,6 +94,45 @@ def inverse_cdf(probs: mx.array, u: mx.array) -> mx.array:
     total = cdf[:, -1:]
     hit = (cdf > u[:, None] * total) | (cdf >= total)
     return mx.argmax(hit.astype(mx.uint8), axis=-1).astype(mx.int32)
+
+
+def filter_rows(
+    logits: mx.array, top_k: int, top_p: float, min_p: float, temperature: float
+) -> tuple[mx.array, mx.array | None]:
+    """Top-k, temperature, top-p, min-p and renormalisation of penalised logits [R, V] (the
+    module docstring's rules; ``top_k``/``top_p``/``min_p`` 0 = off): (probabilities [R, N],
+    ids [R, N] in ascending order with top-k, else None and N = V)."""
+    v = logits.shape[-1]
+    ids = None
+    if top_k:
+        ranked = mx.argpartition(_rank_key(logits), kth=v - top_k, axis=-1)
+        ids = mx.sort(ranked[:, v - top_k :], axis=-1)
+        logits = mx.take_along_axis(logits, ids, axis=-1)
+    probs = mx.softmax(logits / temperature, axis=-1)
+    if top_p:
+        ordered = -mx.sort(-probs, axis=-1)
+        before = mx.cumsum(ordered, axis=-1, inclusive=False)
+        kept = (before < top_p).sum(axis=-1, keepdims=True)
+        floor = mx.take_along_axis(ordered, kept - 1, axis=-1)
+        probs = mx.where(probs >= floor, probs, 0.0)
+    if min_p:
+        floor = min_p * probs.max(axis=-1, keepdims=True)
+        probs = mx.where(probs >= floor, probs, 0.0)
+    return probs / probs.sum(axis=-1, keepdims=True), ids
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_filter(top_k: int, top_p: float, min_p: float, temperature: float):
+    """``filter_rows`` compiled for one setting (traced once per row count). Its ~25 small ops
+    as one compiled graph cut a sampled pipelined decode step's overhead over greedy from
+    6-8 ms to ~3 ms here (with MKL); plain sampling and the speculative rows share it, so
+    ``sample`` still equals ``draw(distributions(...))`` bit for bit."""
+
+    def run(logits: mx.array) -> tuple[mx.array, ...]:
+        probs, ids = filter_rows(logits, top_k, top_p, min_p, temperature)
+        return (probs,) if ids is None else (probs, ids)
+
+    return mx.compile(run)
 
 
 class Sampler:
@@ -205,25 +245,10 @@ class Sampler:
         """Penalised logits [R, V] -> (renormalised probabilities [R, N], ids [R, N] or None).
 
         With top-k the rows are sparse: N = k entries in ascending id order; otherwise the
-        rows are dense over the vocabulary (ids None).
+        rows are dense over the vocabulary (ids None). Runs compiled (see ``_compiled_filter``).
         """
-        v = logits.shape[-1]
-        ids = None
-        if self._top_k:
-            ranked = mx.argpartition(_rank_key(logits), kth=v - self._top_k, axis=-1)
-            ids = mx.sort(ranked[:, v - self._top_k :], axis=-1)
-            logits = mx.take_along_axis(logits, ids, axis=-1)
-        probs = mx.softmax(logits / self._temperature, axis=-1)
-        if self._top_p:
-            ordered = -mx.sort(-probs, axis=-1)
-            before = mx.cumsum(ordered, axis=-1, inclusive=False)
-            kept = (before < self._top_p).sum(axis=-1, keepdims=True)
-            floor = mx.take_along_axis(ordered, kept - 1, axis=-1)
-            probs = mx.where(probs >= floor, probs, 0.0)
-        if self._min_p:
-            floor = self._min_p * probs.max(axis=-1, keepdims=True)
-            probs = mx.where(probs >= floor, probs, 0.0)
-        return probs / probs.sum(axis=-1, keepdims=True), ids
+        out = _compiled_filter(self._top_k, self._top_p, self._min_p, self._temperature)(logits)
+        return out[0], (out[1] if len(out) > 1 else None)
 
     def _dense(self, probs: mx.array, ids: mx.array | None) -> mx.array:
         if ids is None:

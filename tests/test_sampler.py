@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner.sampler import Sampler, SamplingParams
+from runner.sampler import Sampler, SamplingParams, _compiled_filter, filter_rows
 from tests.stats import chi_square_pvalue, chi_square_sf, upper_gamma_q
 
 # Hand-made logits over a 16-token vocabulary: distinct values in no particular id order.
@@ -341,6 +341,24 @@ def test_sample_is_draw_of_distributions(name):
         assert from_sample == from_draw
         a.append(from_sample)
         b.append(from_draw)
+
+
+@pytest.mark.parametrize(
+    "setting", [(40, 0.9, 0.0, 0.7), (5, 0.0, 0.1, 1.3), (0, 0.95, 0.0, 1.0), (0, 0.0, 0.05, 0.5)]
+)
+def test_compiled_filter_equals_the_eager_one_bit_for_bit(setting):
+    # The sampler runs the filter compiled (fused kernels); it must not move one probability.
+    rng = np.random.default_rng(11)
+    compiled = _compiled_filter(*setting)
+    for rows in (1, 3):
+        # Coarse values give many ties, at the top-k cut and at the top-p floor.
+        logits = mx.array(np.round(rng.normal(0, 2, (rows, 500)), 1).astype(np.float32))
+        probs, ids = filter_rows(logits, *setting)
+        got = compiled(logits)
+        assert np.array_equal(np.array(got[0]), np.array(probs))
+        assert (ids is None) == (len(got) == 1)
+        if ids is not None:
+            assert np.array_equal(np.array(got[1]), np.array(ids))
 
 
 @pytest.mark.parametrize("name", ["sparse", "dense"])
