@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import logging
 import os
 import sys
@@ -115,12 +116,34 @@ def _usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _decode_threads(cores: int) -> int:
+    """``MTP_RUNNER_DECODE_THREADS`` (a positive int), else all cores but one."""
+    raw = os.environ.get("MTP_RUNNER_DECODE_THREADS")
+    if raw is not None:
+        try:
+            if int(raw) >= 1:
+                return int(raw)
+        except ValueError:
+            pass
+        log.warning("MTP_RUNNER_DECODE_THREADS=%r is not a positive integer; ignored", raw)
+    return max(1, cores - 1)
+
+
 def _load_mkl(path: str) -> str | None:
     """Load oneMKL; return its description, or None when it cannot be used."""
     gnu = _has_gnu_openmp()
     if not gnu and choice() == "auto":
         return None  # sequential MKL prefills ~0.7x OpenBLAS's speed here: not the better pick
     os.environ.setdefault("MKL_THREADING_LAYER", "GNU" if gnu else "SEQUENTIAL")
+    # libmkl_rt exits the process on its first call if a part it loads lazily is missing
+    # (a broken install): check the parts are there instead.
+    layer_lib = {"GNU": "gnu_thread", "SEQUENTIAL": "sequential", "INTEL": "intel_thread"}
+    parts = ("core", layer_lib.get(os.environ["MKL_THREADING_LAYER"].upper(), "core"))
+    folder = os.path.dirname(path)
+    missing = [p for p in parts if not glob.glob(os.path.join(folder, f"libmkl_{p}.so*"))]
+    if missing:
+        log.warning("MKL at %s lacks %s; not using it", folder, ", ".join(missing))
+        return None
     try:
         lib = ctypes.CDLL(path, os.RTLD_GLOBAL)
     except OSError as exc:
@@ -133,7 +156,7 @@ def _load_mkl(path: str) -> str | None:
         _threads.set_max = lib.MKL_Set_Num_Threads
         _threads.set_max.argtypes = [ctypes.c_int]
         _threads.wide = cores
-        _threads.narrow = int(os.environ.get("MTP_RUNNER_DECODE_THREADS", max(1, cores - 1)))
+        _threads.narrow = _decode_threads(cores)
         _threads.apply(_threads.narrow)
         if "MKL_DYNAMIC" not in os.environ:
             # MKL would run the small per-head attention products of a prefill chunk on fewer

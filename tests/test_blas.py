@@ -106,3 +106,25 @@ def test_mkl_thread_settings_of_the_user_win():
     assert got["threads"] == [1, 1, 1]
     got = probe(MTP_RUNNER_DECODE_THREADS="2")
     assert got["counts"][0] == 2 and got["threads"][0] == 2
+
+
+def test_decode_thread_override_is_validated(monkeypatch):
+    monkeypatch.delenv("MTP_RUNNER_DECODE_THREADS", raising=False)
+    assert blas._decode_threads(4) == 3 and blas._decode_threads(1) == 1
+    monkeypatch.setenv("MTP_RUNNER_DECODE_THREADS", "2")
+    assert blas._decode_threads(4) == 2
+    for bad in ("two", "0", "-1", ""):
+        monkeypatch.setenv("MTP_RUNNER_DECODE_THREADS", bad)
+        assert blas._decode_threads(4) == 3  # a typo must not stop the runner from starting
+
+
+def test_a_broken_mkl_install_falls_back(tmp_path):
+    # libmkl_rt without libmkl_core beside it would exit the process at the first product.
+    import shutil
+
+    real = blas.find_mkl()
+    if real is None:
+        pytest.skip("no mkl wheel in this environment")
+    shutil.copy(real, tmp_path / os.path.basename(real))
+    got = probe(MTP_RUNNER_MKL=str(tmp_path / os.path.basename(real)))
+    assert not got["name"].startswith("mkl") and got["err"] < 1e-3
