@@ -129,10 +129,11 @@ def _decode_threads(cores: int) -> int:
     return max(1, cores - 1)
 
 
-def _load_mkl(path: str) -> str | None:
-    """Load oneMKL; return its description, or None when it cannot be used."""
+def _load_mkl(path: str, asked: bool) -> str | None:
+    """Load oneMKL (``asked``: named by the user, not picked by auto); return its description,
+    or None when it cannot be used."""
     gnu = _has_gnu_openmp()
-    if not gnu and choice() == "auto":
+    if not gnu and not asked:
         return None  # sequential MKL prefills ~0.7x OpenBLAS's speed here: not the better pick
     os.environ.setdefault("MKL_THREADING_LAYER", "GNU" if gnu else "SEQUENTIAL")
     # libmkl_rt exits the process on its first call if a part it loads lazily is missing
@@ -198,7 +199,7 @@ def preload() -> str:
             loaded = None
             mkl = find_mkl() if wanted in ("auto", "mkl") else None
             if mkl:
-                loaded = _load_mkl(mkl)
+                loaded = _load_mkl(mkl, asked=wanted == "mkl")
             elif wanted == "mkl":
                 log.warning("MTP_RUNNER_BLAS=mkl but no libmkl_rt found; trying OpenBLAS")
             if loaded is None:

@@ -153,6 +153,7 @@ class Sampler:
         self._top_k = int(params.top_k) if 0 < params.top_k < v else 0
         self._top_p = float(params.top_p) if 0 < params.top_p < 1 else 0.0
         self._min_p = min(float(params.min_p), 1.0) if params.min_p > 0 else 0.0
+        self._filter_fn = None  # the compiled filter, bound at first use (never when greedy)
         self._repeat = float(params.repeat_penalty) if params.repeat_penalty > 0 else 1.0
         self._presence = float(params.presence_penalty)
         self._frequency = float(params.frequency_penalty)
@@ -247,7 +248,11 @@ class Sampler:
         With top-k the rows are sparse: N = k entries in ascending id order; otherwise the
         rows are dense over the vocabulary (ids None). Runs compiled (see ``_compiled_filter``).
         """
-        out = _compiled_filter(self._top_k, self._top_p, self._min_p, self._temperature)(logits)
+        if self._filter_fn is None:
+            self._filter_fn = _compiled_filter(
+                self._top_k, self._top_p, self._min_p, self._temperature
+            )
+        out = self._filter_fn(logits)
         return out[0], (out[1] if len(out) > 1 else None)
 
     def _dense(self, probs: mx.array, ids: mx.array | None) -> mx.array:

@@ -99,8 +99,8 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument(
         "--only",
-        default=None,
-        help="comma list: run configurations whose name contains one of these",
+        action="append",
+        help="run configurations whose name contains this (repeatable)",
     )
     parser.add_argument("--out", default=os.path.join(ROOT, "bench-results", "forward.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -116,7 +116,7 @@ def main() -> int:
         worker(args)
         return 0
 
-    wanted = [w for w in (args.only or "").split(",") if w]
+    wanted = args.only or []
     chosen = {n: c for n, c in CONFIGS.items() if not wanted or any(w in n for w in wanted)}
     all_runs: dict[str, list[dict]] = {name: [] for name in chosen}
     for _ in range(args.reps):  # configurations take turns, so a drift hits them alike

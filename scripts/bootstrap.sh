@@ -36,7 +36,8 @@ if ! .venv/bin/python -c "import runner, mlx, msgspec, tokenizers, pytest" >/dev
   touch .venv/.installed
 fi
 # oneMKL's one-thread matrix-vector products make decode steps ~1.3x faster than OpenBLAS
-# here (runner.blas, README "BLAS"). Its wheel is ~220 MB; without it the runner uses OpenBLAS.
+# here (runner.blas; README, Design). Its wheel is ~220 MB (MTP_RUNNER_SKIP_MKL=1 skips it);
+# without it the runner uses OpenBLAS.
 if [ "$(uname -s)" = "Linux" ] && [ "$(uname -m)" = "x86_64" ] \
    && [ "${MTP_RUNNER_SKIP_MKL:-0}" != "1" ] && ! ls .venv/lib/libmkl_rt.so.* >/dev/null 2>&1; then
   echo "bootstrap: installing oneMKL (mkl wheel, ~220 MB)" >&2
