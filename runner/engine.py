@@ -67,8 +67,9 @@ class EngineOptions:
     keep_quantized: bool | None = None
     pack: bool | None = None
     # With a head on a packed model, also keep the [out, in] weights for verify rows
-    # (6-12% cheaper verification, the weights' memory once more; runner.models.layers).
-    row_layout: bool = True
+    # (the weights' memory once more; runner.models.layers). None: where the BLAS in use
+    # gains from it (blas.row_layout_pays).
+    row_layout: bool | None = None
     # Compile the fixed-shape parts of each block for decode and verify rows
     # (runner.models.llama.compile_blocks): pipelined decoding ~1.1x on this CPU.
     compile: bool = True
@@ -129,7 +130,10 @@ class Engine:
         mtp_detail = "no draft head (disabled by --no-draft)"
         if options.use_draft:
             self.head, mtp_detail = load_draft_head(self.loaded, options.draft_path, auto=True)
-        if self.head is not None and options.row_layout:
+        row_layout = options.row_layout
+        if row_layout is None:
+            row_layout = blas.row_layout_pays()
+        if self.head is not None and row_layout:
             add_row_layout(self.model)
         if options.compile:  # after every weight change above: compiled blocks capture them
             compile_blocks(self.model)

@@ -35,7 +35,7 @@ if blas.blas_in_use().startswith("mkl"):
         inside = get()
     threads = [before, inside, get()]
 print(json.dumps({"name": blas.blas_in_use(), "err": err, "threads": threads,
-                  "counts": blas.thread_counts()}))
+                  "counts": blas.thread_counts(), "row_layout": blas.row_layout_pays()}))
 """
 
 
@@ -82,6 +82,7 @@ def test_mkl_override_must_exist(monkeypatch, tmp_path):
 def test_bundled_blas_is_used_when_asked():
     got = probe(MTP_RUNNER_BLAS="bundled")
     assert got["name"] == "bundled" and got["err"] < 1e-3 and got["counts"] is None
+    assert got["row_layout"]
 
 
 @pytest.mark.skipif(not openblas_present(), reason="no system OpenBLAS")
@@ -89,6 +90,7 @@ def test_openblas_when_asked():
     got = probe(MTP_RUNNER_BLAS="openblas")
     assert got["name"].startswith("openblas") and got["err"] < 1e-3
     assert got["counts"] is None  # OpenBLAS keeps its own thread count
+    assert got["row_layout"]  # verify rows run faster as W @ x.T here
 
 
 @pytest.mark.skipif(not mkl_usable(), reason="no mkl wheel in this environment, or no libgomp")
@@ -99,6 +101,7 @@ def test_auto_prefers_mkl_and_narrows_decode_threads():
     cores = len(os.sched_getaffinity(0))
     assert (narrow, wide) == (max(1, cores - 1), cores)
     assert got["threads"] == [narrow, wide, narrow]  # prefill widens, decode narrows again
+    assert not got["row_layout"]  # MKL's x @ Wt beats W @ x.T for verify rows
 
 
 @pytest.mark.skipif(not mkl_usable(), reason="no mkl wheel in this environment, or no libgomp")

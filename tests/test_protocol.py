@@ -525,6 +525,10 @@ def test_cli_defaults_and_flags():
     assert (args.model, args.cache_bytes, args.no_prefix_cache) == ("m.gguf", 512 << 20, True)
     assert (args.keep_quantized, args.no_pack, args.dtype) == (True, True, "float16")
     assert (args.queue_limit, args.max_draft) == (3, 0)
+    # The verify-row layout: auto (None) unless forced either way.
+    assert args.row_layout is None
+    assert build_parser().parse_args(["--row-layout"]).row_layout is True
+    assert build_parser().parse_args(["--no-row-layout"]).row_layout is False
 
 
 def test_only_frames_reach_stdout_after_claiming_it():
