@@ -224,12 +224,12 @@ def wide() -> Iterator[None]:
         _threads.apply(_threads.narrow)
 
 
-def row_layout_pays(name: str | None = None) -> bool:
+def row_layout_pays() -> bool:
     """Whether verify rows should use the ``[out, in]`` weight layout under this BLAS
     (``runner.models.layers.add_row_layout``). With OpenBLAS ``W @ x.T`` is 6-12% faster for
     2-16 rows; oneMKL runs the same products 1.7-2x slower than ``x @ Wt`` (o and down over two
     rows), and a two-row forward with the layout ~10% slower."""
-    return not (name or blas_in_use()).startswith("mkl")
+    return not blas_in_use().startswith("mkl")
 
 
 def thread_counts() -> tuple[int, int] | None:
