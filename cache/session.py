@@ -47,17 +47,11 @@ class CacheSession:
         self.remaining = prompt[cached:]  # still to evaluate; the last one seeds decoding
         self._points = points
         self.recorded: list[int] = []
-        self.reached_offset = cached
         self.closed = False
 
     def snapshot_points(self) -> list[int]:
         """Ascending absolute offsets past ``cached`` where prefill chunks should end."""
         return list(self._points)
-
-    def reached(self, offset: int) -> None:
-        """A prefill chunk ended at ``offset``. KV snapshots are taken at close from the caches'
-        actual offset, so this only keeps the progress for inspection."""
-        self.reached_offset = max(self.reached_offset, offset)
 
     def record(self, tokens: Sequence[int]) -> None:
         """Generated ids in order, including a final sampled-but-unfed one."""

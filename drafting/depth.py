@@ -15,8 +15,8 @@ from two measured models:
 - cost: a round's wall time, from its start to the start of the next round, recorded only
   when the rounds before and after it have the same depth (a change of depth costs extra on
   both sides: the pipelined plain loop drains and refills, the draft cache catches up). It is
-  modelled as ``speed * relative(depth)``: this shared machine's speed swings by 20% within a
-  minute, so costs timed at different moments must not be compared directly (a depth-1 cost
+  modelled as ``speed * relative(depth)``: a shared machine's speed swings within a minute,
+  so costs timed at different moments must not be compared directly (a depth-1 cost
   timed in a slow spell against a depth-0 cost timed in a fast one parks a useful head).
   Rounds at the selected depth move only ``speed``; rounds at any other depth (probes, cost
   seeding) move only their own ``relative`` cost, against the speed the rounds just before
@@ -40,7 +40,7 @@ watches for the head starting to work (such a rate cannot pay for any cost a dep
 can have), so a useless head costs one drafted round per interval, not five. A depth in range
 that has no cost sample yet is drafted before anything else (cost seeding).
 
-The constants were tuned with ``scripts/sim_depth.py`` (simulated rounds with this machine's
+The constants were tuned with ``scripts/sim_depth.py`` (simulated rounds with measured
 relative costs, per-round noise, a drifting speed and per-prompt acceptance).
 """
 
@@ -56,7 +56,7 @@ TRUSTED_AFTER = 10  # acceptance samples before a position's rate is believed
 COST_CLAMP = 0.25  # largest relative move of a cost EWMA per sample
 COST_SEED_SAMPLES = 4  # samples combined by their median before the EWMA takes over
 PROBE_FIRST = 4
-PROBE_MAX = 256  # a useless head then costs one drafted round (~0.3 steps) per 256 (< 0.2%)
+PROBE_MAX = 256  # a useless head then costs one drafted round per 256
 EXTEND_ABOVE = 0.1  # look one position past the frontier only above this acceptance
 PROBE_ROUNDS = 5  # rounds per probe; the first and last are not timed (changes of depth)
 CHEAP_PROBE_ROUNDS = 1  # rounds per probe of a position trusted to be under EXTEND_ABOVE

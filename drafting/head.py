@@ -43,16 +43,19 @@ class MTPHead(nn.Module):
         layer: nn.Module,
         embed: Callable[[mx.array], mx.array],
         output_weight: Callable[[], mx.array],
+        linear: type[nn.Linear] = nn.Linear,
     ) -> None:
         """``layer`` is a fresh decoder layer of the target's family, called as
         ``layer(x, mask, cache)``; ``embed`` maps ids to embeddings; ``output_weight`` returns
-        the target's ``[V, D]`` output matrix (only read when a draft vocabulary is set)."""
+        the target's ``[V, D]`` output matrix (only read when a draft vocabulary is set);
+        ``linear`` builds ``fc`` (the target family's linear layer, so device tuning lays it
+        out like the target's)."""
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
         self.pre_fc_norm_embedding = nn.RMSNorm(d, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(d, eps=eps)
-        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.fc = linear(2 * d, d, bias=False)
         self.layers = [layer]
         self.norm = nn.RMSNorm(d, eps=eps)
         self._embed = embed
@@ -103,7 +106,7 @@ class MTPHead(nn.Module):
 
     def argmax_draft(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array:
         """``argmax(draft_logits(y))`` ``[...]`` int32 (the lowest id among ties, like a full
-        row) without scattering into the full vocabulary: greedy drafting skips ~1 ms a step."""
+        row) without scattering into the full vocabulary, which greedy drafting never needs."""
         logits = self.logits(y, unembed)
         if self._vocab_ids is None:
             return mx.argmax(logits, axis=-1).astype(mx.int32)

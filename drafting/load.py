@@ -9,8 +9,7 @@ Every scheme maps onto the one ``MTPHead`` (Qwen3-Next names without the ``mtp.`
 
 A sidecar directory holds ``config.json`` (``"architecture": "mtp_head"``, the naming, the
 target it was trained for, the head switches) and ``mtp.safetensors``. This module never
-imports ``runner``: failures are ``HeadLoadError`` (message, file, tensor), which the runner
-turns into its typed ``DraftHeadError``.
+imports ``runner``; every failure is a ``DraftHeadError`` naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from drafting.head import MTPHead
+from drafting.weights import check_and_load, read_json, read_safetensors
+from protocol.errors import DraftHeadError
 
 NAMINGS = ("qwen3_next", "deepseek", "mimo")
 # MiMo is the one family that concatenates (hidden, embedding).
@@ -53,19 +54,6 @@ _HEAD_PARTS = {
 _BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
 
-class HeadLoadError(Exception):
-    """A head that cannot be loaded; names the file and the tensor at fault."""
-
-    def __init__(self, message: str, path: str | None = None, tensor: str | None = None):
-        self.message = message
-        self.path = path
-        self.tensor = tensor
-        detail = [f"tensor {tensor!r}"] if tensor else []
-        if path:
-            detail.append(f"file {path}")
-        super().__init__(message + (f" [{'; '.join(detail)}]" if detail else ""))
-
-
 def naming_prefix(naming: str, num_hidden_layers: int) -> str:
     """The name prefix every tensor of the head carries under ``naming``."""
     if naming == "qwen3_next":
@@ -74,7 +62,7 @@ def naming_prefix(naming: str, num_hidden_layers: int) -> str:
         return f"model.layers.{num_hidden_layers}."
     if naming == "mimo":
         return "model.mtp_layers.0."
-    raise HeadLoadError(f"unknown MTP head naming {naming!r} (known: {', '.join(NAMINGS)})")
+    raise DraftHeadError(f"unknown MTP head naming {naming!r} (known: {', '.join(NAMINGS)})")
 
 
 def head_name(naming: str, local: str) -> str | None:
@@ -134,17 +122,6 @@ def map_weights(
     return mapped, origin
 
 
-def dequantize_mapped(weights: dict[str, mx.array], group_size: int = 64) -> None:
-    """Turn affine-quantized ``X.weight/scales/biases`` triples into dense ``X.weight`` in place
-    (the head runs dense: its layer is built unquantized)."""
-    for name in [k for k in weights if k.endswith(".scales")]:
-        base = name[: -len(".scales")]
-        packed, scales = weights[base + ".weight"], weights.pop(name)
-        biases = weights.pop(base + ".biases", None)
-        bits = (packed.shape[-1] * 32) // (scales.shape[-1] * group_size)
-        weights[base + ".weight"] = mx.dequantize(packed, scales, biases, group_size, bits)
-
-
 def layer_overrides(mapped: Mapping[str, mx.array]) -> dict:
     """ModelArgs fields of the head's block that its tensors decide rather than the target:
     the MLP width (a head may be narrower than the target's blocks) and the q/k norms."""
@@ -176,33 +153,17 @@ def load_head_weights(
     zero-centred RMSNorm shift (weight applied as 1 + w) when asked, and load them.
 
     ``origin`` (from :func:`map_weights`) and the naming spell tensors as the file does."""
-    expected = dict(tree_flatten(head.parameters()))
-    for name, param in expected.items():
-        if name not in mapped:
-            missing = scheme_name(naming, name, num_hidden_layers)
-            raise HeadLoadError("required head tensor is missing", path, missing)
-        got = mapped[name]
-        if tuple(got.shape) != tuple(param.shape):
-            raise HeadLoadError(
-                f"head tensor has shape {tuple(got.shape)}, the target needs {tuple(param.shape)}",
-                path,
-                origin.get(name, name),
-            )
-    for name in mapped:
-        if name not in expected:
-            # Silently dropping e.g. a bias would leave a head that drafts garbage.
-            raise HeadLoadError("unexpected tensor for this head layout", path, origin[name])
-    loaded = []
-    for name in expected:
-        w = mapped[name]
-        if not mx.issubdtype(w.dtype, mx.floating):
-            raise HeadLoadError(f"expected a floating-point tensor, found {w.dtype}", path,
-                                origin.get(name, name))  # fmt: skip
-        if norm_shift and _is_norm(name):
-            w = w.astype(mx.float32) + 1.0
-        loaded.append((name, w.astype(dtype)))
-    head.load_weights(loaded, strict=True)
-    mx.eval(head.parameters())
+
+    def file_name(name: str) -> str:
+        return origin.get(name) or scheme_name(naming, name, num_hidden_layers)
+
+    def shift(name: str, w: mx.array) -> mx.array:
+        return w.astype(mx.float32) + 1.0 if norm_shift and _is_norm(name) else w
+
+    check_and_load(
+        head, mapped, path=path, dtype=dtype, file_name=file_name, transform=shift,
+        refuse_extras=True, floats_only=True, error=DraftHeadError,
+    )  # fmt: skip
 
 
 @dataclass
@@ -234,23 +195,10 @@ def is_sidecar(directory: str) -> bool:
     )
 
 
-def _read_config(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise HeadLoadError("sidecar config.json not found", path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise HeadLoadError(f"cannot parse sidecar config ({exc})", path) from None
-    if not isinstance(config, dict):
-        raise HeadLoadError("sidecar config must be a JSON object", path)
-    return config
-
-
 def _flag(config: dict, key: str, default: bool, path: str) -> bool:
     value = config.get(key, default)
     if not isinstance(value, bool):
-        raise HeadLoadError(f"{key!r} must be true or false, found {value!r}", path)
+        raise DraftHeadError(f"{key!r} must be true or false, found {value!r}", path)
     return value
 
 
@@ -258,33 +206,28 @@ def read_sidecar(directory: str) -> Sidecar:
     """Read ``directory/config.json`` and ``directory/mtp.safetensors``; checks the format,
     not the fit to a target (the runner does that against the loaded model)."""
     config_path = os.path.join(directory, SIDECAR_CONFIG)
-    config = _read_config(config_path)
+    config = read_json(config_path, error=DraftHeadError)
     if config.get("architecture") != SIDECAR_ARCHITECTURE:
-        raise HeadLoadError(
+        raise DraftHeadError(
             f"not an MTP head sidecar: architecture is {config.get('architecture')!r}, "
             f"expected {SIDECAR_ARCHITECTURE!r}",
             config_path,
         )
     naming = config.get("naming")
     if naming not in NAMINGS:
-        raise HeadLoadError(
+        raise DraftHeadError(
             f"unknown MTP head naming {naming!r} (known: {', '.join(NAMINGS)})", config_path
         )
     target = config.get("target")
     if not isinstance(target, dict) or not all(
         isinstance(target.get(k), int) for k in TARGET_SHAPE_KEYS
     ):
-        raise HeadLoadError(
+        raise DraftHeadError(
             "'target' must give integer hidden_size, vocab_size and num_hidden_layers",
             config_path,
         )
     weights_path = os.path.join(directory, SIDECAR_WEIGHTS)
-    if not os.path.isfile(weights_path):
-        raise HeadLoadError("sidecar weights not found", weights_path)
-    try:
-        weights = mx.load(weights_path, format="safetensors")
-    except Exception as exc:  # mlx raises RuntimeError/ValueError with terse messages
-        raise HeadLoadError(f"cannot read safetensors ({exc})", weights_path) from None
+    weights = read_safetensors(weights_path, error=DraftHeadError)
     draft_vocab = _read_draft_vocab(weights, config, target["vocab_size"], weights_path)
     return Sidecar(
         path=directory,
@@ -306,25 +249,25 @@ def _read_draft_vocab(
     declared = config.get("draft_vocab_size")
     if ids is None:
         if declared is not None:
-            raise HeadLoadError(
+            raise DraftHeadError(
                 f"config declares draft_vocab_size {declared} but the tensor is absent",
                 path, DRAFT_VOCAB_TENSOR,
             )  # fmt: skip
         return None
     if ids.ndim != 1 or not mx.issubdtype(ids.dtype, mx.integer):
-        raise HeadLoadError(
+        raise DraftHeadError(
             f"draft vocabulary must be a 1-D integer tensor, found {ids.dtype} "
             f"{tuple(ids.shape)}",
             path, DRAFT_VOCAB_TENSOR,
         )  # fmt: skip
     if declared is not None and declared != ids.shape[0]:
-        raise HeadLoadError(
+        raise DraftHeadError(
             f"draft vocabulary has {ids.shape[0]} ids, config says {declared}",
             path, DRAFT_VOCAB_TENSOR,
         )  # fmt: skip
     values = ids.tolist()
     if values and (min(values) < 0 or max(values) >= vocab_size):
-        raise HeadLoadError(
+        raise DraftHeadError(
             f"draft vocabulary ids must lie in [0, {vocab_size})", path, DRAFT_VOCAB_TENSOR
         )
     return [int(v) for v in values]

@@ -9,7 +9,8 @@ last committed hidden with ``x``, is still open). The driver never touches array
 work goes through ``RoundOps`` (the real MLX implementation lives in the engine; tests use a
 deterministic fake), which answers a verify feed with host ints after one sync.
 
-Two ledgers: ``emitted`` (every token handed to the emitter, plus forced close markers) and
+The request's ``cache.ledger.Ledger`` (shared with the plain decoding loop) holds the two
+token lists: ``emitted`` (every token handed to the emitter, plus forced close markers) and
 ``committed`` (the generated tokens the target caches hold). Committed is always a prefix of
 emitted: a token that ends generation without ``keep`` (EOS) and a cancelled token are emitted
 and never committed.
@@ -37,7 +38,8 @@ SPECULATE    capture the entry; head step (k lazy drafts); verify feed [x, d1..d
              (r = i, end); close markers C (r = i, then CLOSE_AT_DRAFT: replay C, successor from
              its last row); emitter exception (r = i - 1, head discarded, error).
 
-Failure rows (``OpError`` classes of the seam; emelex's Invalid / MtpForward / Host):
+Failure rows (the ``OpError`` classes of the seam: invalid target state, head failure, host
+failure after the caches were mutated):
 
 HEAD_STEP_FAILED   HeadError (or TargetError) from the head step: discard the head, TARGET_ONLY.
                    HostError: rewind the head to its entry pairs, TARGET_ONLY with the pair
@@ -57,7 +59,8 @@ driver itself never draws, and greedy rounds consume no randomness.
 
 Parking: ``plan()`` is the decision point. Depth 0 (the controller's choice, a disabled
 request, logprobs, a head that is not ready) makes the round target-only; the engine may run
-the pipelined plain decoder instead and account each of its tokens with ``parked_round()``.
+the pipelined plain decoder instead (writing the same ledger) and account each of its steps
+with ``parked_round()``.
 Since the head sees every committed forward, resuming needs no extra forward: the next
 ``round(x)`` with the plain decoder's in-flight sample speculates right away.
 """
@@ -68,6 +71,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cache.ledger import Ledger
 from drafting.accept import accepted_count
 from drafting.stats import SpecStats
 
@@ -256,8 +260,8 @@ class RoundDriver:
     """Runs decode rounds for one request; see the module docstring for the transitions.
 
     ``emit(token) -> Step`` is the request's emitter, ``cancelled()`` the cancel mark, ``depth``
-    the request's depth session, ``budget`` how many tokens the driver may still emit (None =
-    unlimited; forced close markers do not count).
+    the request's depth session, ``budget`` how many tokens the request may emit in all (None =
+    unlimited; forced close markers do not count), ``ledger`` the request's token ledger.
     """
 
     def __init__(
@@ -269,6 +273,7 @@ class RoundDriver:
         depth: DepthSource,
         budget: int | None = None,
         stats: SpecStats | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.ops = ops
         self._emit = emit
@@ -276,9 +281,20 @@ class RoundDriver:
         self._depth = depth
         self.budget = budget
         self.stats = stats if stats is not None else SpecStats()
-        self.emitted: list[int] = []
-        self.committed: list[int] = []
-        self.used = 0  # tokens counted against the budget
+        self.ledger = ledger if ledger is not None else Ledger()
+
+    @property
+    def emitted(self) -> list[int]:
+        return self.ledger.emitted
+
+    @property
+    def committed(self) -> list[int]:
+        return self.ledger.committed
+
+    @property
+    def used(self) -> int:
+        """Tokens counted against the budget."""
+        return self.ledger.used
 
     # -- decisions ----------------------------------------------------------------------------
 
@@ -321,14 +337,10 @@ class RoundDriver:
         finally:
             self.stats.final_depth = self._depth.depth
 
-    def parked_round(self, token: int, *, fed: bool = True) -> None:
-        """Account a token decoded outside the driver by the plain decoder while parked (it was
-        emitted, and fed unless ``fed`` is False): a measured depth-0 round."""
+    def parked_round(self) -> None:
+        """Account one step of the plain decoder while parked (it wrote its token to the shared
+        ledger): a measured depth-0 round."""
         self._depth.round_started(0)
-        self.used += 1
-        self.emitted.append(int(token))
-        if fed:
-            self.committed.append(int(token))
         self.stats.record_parked()
         self._depth.round_finished(0, 0)
         self.stats.final_depth = self._depth.depth
@@ -358,9 +370,7 @@ class RoundDriver:
             step = self._emit(token)
         except Exception as error:
             raise RoundError(error, reusable=True) from error
-        self.used += 1
-        self.emitted.append(token)
-        self.emitted.extend(step.forced)
+        self.ledger.emit(token, step.forced)
         return step
 
     def _last_token(self, step: Step) -> str | None:
@@ -499,7 +509,7 @@ class RoundDriver:
     # -- ledgers and head bookkeeping ---------------------------------------------------------
 
     def _commit(self, tokens: Sequence[int]) -> None:
-        self.committed.extend(int(t) for t in tokens)
+        self.ledger.commit(tokens)
 
     def _rewind(self, position: int) -> None:
         try:

@@ -24,13 +24,10 @@ import mlx.core as mx
 
 from cache.kv import KVCache
 
-# Pending pairs that trigger a flush. Measured on the default model's head shapes
-# (D=576, 9/3 heads, MLP 1536, float32, OpenBLAS, this 2-core CPU; best of 5, at draft offsets
-# 0 / 1024): per-pair cost of one batched head forward is 3.1/3.4 ms at 1 pair, 0.95/0.85 ms
-# at 8, 0.26/0.40 ms at 32, 0.15/0.31 ms at 128, 0.16/0.51 ms at 256, 0.21/0.36 ms at 512.
-# Past ~128 pairs the per-pair cost stops falling (attention over the batch grows), so a
-# larger cap buys nothing, while a 256-pair flush (~40-130 ms) stays within about one target
-# decode step (~100 ms) and bounds the target hiddens held alive by pending pairs.
+# Pending pairs that trigger a flush. A batched head forward costs less per pair as the batch
+# grows until the attention over the batch dominates (around a hundred pairs on the default
+# model's head): a larger cap buys nothing, while a 256-pair flush stays within about one
+# target decode step and bounds the target hiddens held alive by pending pairs.
 FLUSH_AT = 256
 
 

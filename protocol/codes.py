@@ -30,17 +30,26 @@ ERROR_CODES = (
     LOAD_ERROR,
 )
 
-# Finer load failures a runner may report instead of `load_error` (runner/errors.py).
+# Finer load failures a runner may report instead of `load_error` (protocol/errors.py).
+MODEL_FILE_MISSING = "model_file_missing"
+CORRUPT_MODEL_FILE = "corrupt_model_file"
+UNSUPPORTED_ARCHITECTURE = "unsupported_architecture"
+TENSOR_SHAPE_MISMATCH = "tensor_shape_mismatch"
+MISSING_TENSOR = "missing_tensor"
+TOKENIZER_MISSING = "tokenizer_missing"
+UNSUPPORTED_TOKENIZER = "unsupported_tokenizer"
+DRAFT_HEAD_ERROR = "draft_head_error"
+
 LOAD_ERROR_CODES = (
     LOAD_ERROR,
-    "model_file_missing",
-    "corrupt_model_file",
-    "unsupported_architecture",
-    "tensor_shape_mismatch",
-    "missing_tensor",
-    "tokenizer_missing",
-    "unsupported_tokenizer",
-    "draft_head_error",
+    MODEL_FILE_MISSING,
+    CORRUPT_MODEL_FILE,
+    UNSUPPORTED_ARCHITECTURE,
+    TENSOR_SHAPE_MISMATCH,
+    MISSING_TENSOR,
+    TOKENIZER_MISSING,
+    UNSUPPORTED_TOKENIZER,
+    DRAFT_HEAD_ERROR,
 )
 
 DONE_REASONS = ("stop", "length", "cancelled", "error")

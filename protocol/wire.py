@@ -13,21 +13,16 @@ from typing import Any
 import msgspec
 
 from protocol.codes import BAD_JSON, BAD_REQUEST, UNKNOWN_TYPE
-from protocol.frames import Error, Frame
+from protocol.errors import CodedError
+from protocol.frames import Frame
 from protocol.requests import REQUEST_TYPES, Request
 
 
-class ProtocolError(Exception):
+class ProtocolError(CodedError):
     """A request line that cannot be served; becomes exactly one `error` frame."""
 
     def __init__(self, code: str, message: str, id: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.id = id
-
-    def frame(self) -> Error:
-        return Error(self.id, self.code, self.message)
+        super().__init__(message, code=code, id=id)
 
 
 class _Envelope(msgspec.Struct):

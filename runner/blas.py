@@ -12,7 +12,11 @@ RTLD_GLOBAL first makes the dynamic linker resolve MLX's ``cblas_sgemm`` to it. 
   ``MTP_RUNNER_OPENBLAS``; ``OPENBLAS_CORETYPE`` is named when the user has not.
 - ``bundled``: MLX's own (also ``MTP_RUNNER_NO_OPENBLAS=1``).
 
-This module must not import mlx; ``runner/__init__.py`` calls :func:`preload` first.
+The BLAS must be loaded before MLX's library is, whatever imports MLX first: ``runner``'s
+``__init__`` installs :func:`install_hook`, an import hook that runs :func:`preload` just
+before ``mlx`` is first imported, and ``bootstrap.sh`` adds a ``.pth`` line to the project's
+venv that imports ``runner`` at interpreter start, so no script, test or entry point has to
+import in a special order. This module must not import mlx.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def _load_mkl(path: str, asked: bool) -> str | None:
     or None when it cannot be used."""
     gnu = _has_gnu_openmp()
     if not gnu and not asked:
-        return None  # sequential MKL prefills ~0.7x OpenBLAS's speed here: not the better pick
+        return None  # sequential MKL prefills slower than threaded OpenBLAS: not the better pick
     os.environ.setdefault("MKL_THREADING_LAYER", "GNU" if gnu else "SEQUENTIAL")
     # libmkl_rt exits the process on its first call if a part it loads lazily is missing
     # (a broken install): check the parts are there instead.
@@ -161,7 +165,7 @@ def _load_mkl(path: str, asked: bool) -> str | None:
         _threads.apply(_threads.narrow)
         if "MKL_DYNAMIC" not in os.environ:
             # MKL would run the small per-head attention products of a prefill chunk on fewer
-            # threads; all of them prefilled ~6% faster here.
+            # threads; on all of them prefill is faster (scripts/bench_forward.py).
             lib.MKL_Set_Dynamic(0)
     return f"mkl ({path}, {layer.lower()}, threads {_threads.narrow}/{_threads.wide})"
 
@@ -209,6 +213,31 @@ def preload() -> str:
     return name
 
 
+class _PreloadBeforeMlx:
+    """A ``sys.meta_path`` entry that loads the BLAS when ``mlx`` is about to be imported,
+    then steps aside (it finds nothing itself)."""
+
+    @staticmethod
+    def find_spec(name: str, path=None, target=None):
+        if name == "mlx" or name.startswith("mlx."):
+            uninstall_hook()
+            preload()
+        return None
+
+
+def install_hook() -> None:
+    """Load the BLAS before mlx is imported: now if mlx is already there (too late: it warns),
+    else at mlx's first import."""
+    if "mlx.core" in sys.modules or "mlx" in sys.modules:
+        preload()
+    elif not any(isinstance(f, _PreloadBeforeMlx) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PreloadBeforeMlx())
+
+
+def uninstall_hook() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PreloadBeforeMlx)]
+
+
 def blas_in_use() -> str:
     return _state.get("name", "bundled")
 
@@ -216,7 +245,7 @@ def blas_in_use() -> str:
 @contextlib.contextmanager
 def wide() -> Iterator[None]:
     """Run many-row work (prefill chunks) on every core; decode steps go back to the narrow
-    count on exit. Only MKL's count changes (OpenBLAS decodes slower on one thread here)."""
+    count on exit. Only MKL's count changes (OpenBLAS decodes slower on one thread)."""
     _threads.apply(_threads.wide)
     try:
         yield
@@ -226,9 +255,9 @@ def wide() -> Iterator[None]:
 
 def row_layout_pays() -> bool:
     """Whether verify rows should use the ``[out, in]`` weight layout under this BLAS
-    (``runner.models.layers.add_row_layout``). With OpenBLAS ``W @ x.T`` is 6-12% faster for
-    2-16 rows; oneMKL runs the same products 1.7-2x slower than ``x @ Wt`` (o and down over two
-    rows), and a two-row forward with the layout ~10% slower."""
+    (``runner.models.layers.add_row_layout``): OpenBLAS packs the transposed operand of
+    ``x @ Wt`` on every multi-row call and runs ``W @ x.T`` faster, oneMKL the other way round
+    (docs/PERFORMANCE.md)."""
     return not blas_in_use().startswith("mkl")
 
 

@@ -96,29 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run quantized weights as they are instead of dequantizing",
     )
-    p.add_argument("--no-pack", action="store_true", help="do not pack projection weights")
     p.add_argument(
-        "--row-layout",
-        dest="row_layout",
-        action="store_const",
-        const=True,
-        default=None,
-        help="with a draft head, keep a second ([out, in]) weight layout of the o and down "
-        "projections for verify rows (default: only where the BLAS gains from it, OpenBLAS)",
-    )
-    p.add_argument(
-        "--no-row-layout",
-        dest="row_layout",
-        action="store_const",
-        const=False,
-        help="never keep the second weight layout (saves ~150 MB for the default model; "
-        "verification under OpenBLAS gets slower)",
-    )
-    p.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="run every block eagerly (compiled blocks need a C++ compiler for their fused "
-        "kernels on CPU; without one MLX runs them unfused)",
+        "--weight-layout",
+        choices=("auto", "hf", "packed"),  # runner.device.LAYOUTS (mlx is not imported here)
+        default="auto",
+        help="how weights are stored for the device: packed (transposed, q/k/v and gate/up "
+        "fused: fast one-row products on a CPU BLAS) or hf (as loaded); auto: packed on the "
+        "CPU, hf on a GPU",
     )
     p.add_argument(
         "--queue-limit",
@@ -132,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     version = f"mtp-runner {__version__} (protocol {protocol.PROTOCOL_VERSION})"
     p.add_argument("--version", action="version", version=version)
+    # Hidden benchmark knobs: the verify-row layout forced either way, blocks run eagerly.
+    p.add_argument("--row-layout", dest="row_layout", action="store_const", const=True,
+                   default=None, help=argparse.SUPPRESS)  # fmt: skip
+    p.add_argument("--no-row-layout", dest="row_layout", action="store_const", const=False,
+                   help=argparse.SUPPRESS)  # fmt: skip
+    p.add_argument("--no-compile", action="store_true", help=argparse.SUPPRESS)
     # Hidden test hooks: a model-free engine (protocol tests, benchmark) and fault injection.
     p.add_argument("--noop-model", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--noop-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -166,7 +156,7 @@ def engine_factory(args: argparse.Namespace):
             prefill_chunk=args.prefill_chunk,
             dtype=args.dtype,
             keep_quantized=args.keep_quantized,
-            pack=False if args.no_pack else None,
+            weight_layout=args.weight_layout,
             row_layout=args.row_layout,
             compile=not args.no_compile,
         )

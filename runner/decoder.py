@@ -5,17 +5,18 @@ The plain decoder keeps one forward in flight: the forward that feeds token n is
 Python overhead overlap the model. Token n's own successor is the next in-flight result.
 
 Ledgers: a token is *fed* when its forward is dispatched; its effects are *reported*
-(penalty history, draft session) only once it is known to stay. The caller decides what to
-do with the in-flight forward when generation ends (see :meth:`PlainDecoder.settle`).
+(penalty history, draft session) and it is *committed* in the request's ``cache.ledger.Ledger``
+only once it is known to stay. An EOS dispatched before it was read is rewound away.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
+from cache.ledger import Ledger, Outcome
 from runner import blas
 
 # Called with (tokens [L] int32 array, hiddens [L, D], position of tokens[0]) for every run of
@@ -44,7 +45,6 @@ def prefill(
     chunk: int = 512,
     cancelled: Callable[[], bool] = lambda: False,
     on_commit: CommitHook | None = None,
-    on_chunk: Callable[[int], None] | None = None,
 ) -> int:
     """Evaluate ``tokens`` (starting at cache offset ``position``) in chunks; return the new
     offset. Cancellation is checked before each chunk; a cancelled prefill keeps the chunks it
@@ -61,8 +61,6 @@ def prefill(
             mx.eval(hidden, [c.state for c in caches])
             if on_commit is not None:
                 on_commit(ids, hidden[0], start)
-            if on_chunk is not None:
-                on_chunk(end)
             start = end
     return start
 
@@ -93,7 +91,6 @@ class PlainDecoder:
         model,
         caches: list,
         sampler,
-        position: int,
         *,
         top_logprobs: int | None = None,
         on_commit: CommitHook | None = None,
@@ -101,24 +98,28 @@ class PlainDecoder:
         self.model = model
         self.caches = caches
         self.sampler = sampler
-        self.position = position  # cache offset: the slot the next fed token occupies
         self.top_logprobs = top_logprobs
         self.on_commit = on_commit
         self.forwards = 0
+
+    @property
+    def position(self) -> int:
+        """The slot the next fed token occupies (the caches' offset)."""
+        return self.caches[0].offset
 
     def _feed(self, tokens: mx.array, append: bool) -> Sampled:
         """Dispatch one forward over ``tokens`` and the sample of the token after them."""
         tokens = tokens.reshape(-1).astype(mx.int32)
         if append:
             self.sampler.append(tokens)
+        position = self.position
         hidden = self.model.hidden(tokens[None], self.caches)
         logits = self.model.unembed(hidden[:, -1])[0]
         nxt = self.sampler.sample(logits).reshape(1)
         lp = None
         if self.top_logprobs is not None:
             lp = self.sampler.logprobs(logits, nxt, self.top_logprobs)
-        sampled = Sampled(nxt, lp, hidden[0], tokens, self.position)
-        self.position += tokens.shape[0]
+        sampled = Sampled(nxt, lp, hidden[0], tokens, position)
         self.forwards += 1
         # Evaluate the caches with the token so no lazy graph accumulates across steps.
         mx.async_eval(nxt, hidden, *(lp or ()), [c.state for c in self.caches])
@@ -149,19 +150,17 @@ class PlainDecoder:
         """Drop the tokens fed by the forward that produced ``successor`` from the caches
         (e.g. an EOS that was dispatched before it was read). An offset move, no copy."""
         n = int(successor.fed_token.shape[0])
-        self.position -= n
         for c in self.caches:
             c.rewind(c.offset - n)
 
 
-@dataclass
-class Outcome:
-    """How generation ended and what the caches hold beyond the prompt."""
+@dataclass(frozen=True)
+class LoopStep:
+    """What one :meth:`PlainLoop.step` did: ``outcome`` when generation ended, else ``next``,
+    the current token of the next step (in flight)."""
 
-    reason: str  # "stop" | "length" | "cancelled" | "error"
-    fed: list[int] = field(default_factory=list)  # generated tokens the caches hold, in order
-    final: int | None = None  # the token after the last fed one (sampled, never fed)
-    error: str | None = None  # why generation failed, when reason == "error"
+    outcome: Outcome | None
+    next: Sampled | None = None
 
 
 class PlainLoop:
@@ -169,14 +168,15 @@ class PlainLoop:
 
     Each step dispatches the forward feeding the current token before reading it, unless that
     token is certainly the last one (budget or context end), so no forward is wasted on a
-    token that will never be fed. ``fed`` lists the generated tokens the caches hold: an EOS
-    that was dispatched before it was read is rewound away.
+    token that will never be fed. Every token goes into ``ledger`` as it is emitted and, once
+    it stays in the caches, as committed.
     """
 
     def __init__(
         self,
         dec: PlainDecoder,
         emitter,
+        ledger: Ledger | None = None,
         *,
         max_tokens: int,
         context_length: int,
@@ -185,18 +185,28 @@ class PlainLoop:
     ) -> None:
         self.dec = dec
         self.emitter = emitter
+        self.ledger = ledger if ledger is not None else Ledger()
         self.max_tokens = max_tokens
         self.context_length = context_length
         self.logprob_entry = logprob_entry
         self.on_first_token = on_first_token
-        self.fed: list[int] = []
         self._first = True
+
+    @property
+    def fed(self) -> list[int]:
+        """The generated tokens the caches hold (the ledger's committed tokens)."""
+        return self.ledger.committed
 
     def start(self, seed: int) -> Sampled:
         """Feed the decode seed (the last prompt token); return the first in-flight sample."""
         cur = self.dec.start(seed)
         self.dec.commit(cur)
         return cur
+
+    @staticmethod
+    def resume(token: int) -> Sampled:
+        """A known current token (a round's successor) as the next step's current token."""
+        return Sampled(mx.array([token], dtype=mx.int32), None)
 
     def read(self, cur: Sampled) -> int:
         token = self.dec.read(cur)
@@ -205,32 +215,32 @@ class PlainLoop:
             self._first = False
         return token
 
-    def step(self, cur: Sampled) -> tuple[Outcome | None, Sampled | None, int, bool]:
-        """Emit ``cur``: returns (outcome when generation ended, the next current token,
-        the token, whether it was fed)."""
-        dec = self.dec
-        last = (self.max_tokens and self.emitter.generated + 1 >= self.max_tokens) or (
+    def step(self, cur: Sampled) -> LoopStep:
+        """Emit ``cur``, dispatching the forward that feeds it first unless it is the last."""
+        dec, ledger = self.dec, self.ledger
+        last = (self.max_tokens and ledger.used + 1 >= self.max_tokens) or (
             dec.position + 1 >= self.context_length
         )
         nxt = None if last else dec.advance(cur)
         token = self.read(cur)
         step = self.emitter.push(token, self.logprob_entry(cur))
+        ledger.emit(token, step.forced)
         if not step.keep:
             if nxt is not None:
                 dec.unfeed(nxt)
-            return Outcome(step.reason or "stop", self.fed, token), None, token, False
+            return LoopStep(Outcome(step.reason or "stop", self.fed, token))
         if nxt is None:
-            return Outcome(step.reason or "length", self.fed, token), None, token, False
-        self.fed.append(token)
+            return LoopStep(Outcome(step.reason or "length", self.fed, token))
+        ledger.commit([token])
         dec.commit(nxt)
         if step.finished:
-            return Outcome(step.reason or "stop", self.fed, dec.read(nxt)), None, token, True
+            return LoopStep(Outcome(step.reason or "stop", self.fed, dec.read(nxt)))
         if step.forced:
             # The in-flight successor assumed no close marker; feed the marker instead.
             nxt = dec.feed_forced(step.forced)
-            self.fed.extend(step.forced)
+            ledger.commit(step.forced)
             dec.commit(nxt)
-        return None, nxt, token, True
+        return LoopStep(None, nxt)
 
 
 def decode_plain(loop: PlainLoop, seed: int, cancelled: Callable[[], bool]) -> Outcome:
@@ -239,6 +249,7 @@ def decode_plain(loop: PlainLoop, seed: int, cancelled: Callable[[], bool]) -> O
     while True:
         if cancelled():
             return Outcome("cancelled", loop.fed, loop.dec.read(cur))
-        outcome, cur, _, _ = loop.step(cur)
-        if outcome is not None:
-            return outcome
+        step = loop.step(cur)
+        if step.outcome is not None:
+            return step.outcome
+        cur = step.next

@@ -1,13 +1,15 @@
-"""The per-model engine: one loaded model, its caches, prefix cache, draft head and depth
-controller; serves one completion at a time on the inference thread.
+"""The per-model engine: one loaded model, its caches, prefix cache and speculation; serves
+one completion at a time on the inference thread.
 
 ``run`` is the whole life of a request: restore the longest cached prefix, prefill the rest
 in chunks, decode (pipelined plain decoding, or speculative rounds with a draft head), stream
-token frames, send one done frame, and close the cache session on every exit path.
+token frames, send one done frame, and close the cache and speculation sessions on every exit
+path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -17,21 +19,19 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from cache.kv import KVCache
-from cache.session import CacheDesyncError, PrefixCache
-from drafting.depth import DepthController, FixedDepth
-from drafting.rounds import RoundDriver
-from drafting.session import DraftSession
+from cache.ledger import Ledger, Outcome
+from cache.session import CacheDesyncError, CacheSession, PrefixCache
+from drafting.speculation import Speculation, SpeculationSession
 from drafting.stats import SpecStats
 from protocol import frames as pf
-from runner import blas
-from runner.decoder import Cancelled, Outcome, PlainDecoder, PlainLoop, decode_plain, prefill
-from runner.draft_loader import load_draft_head
+from protocol.codes import BAD_REQUEST, CONTEXT_OVERFLOW
+from protocol.errors import CodedError, error_frame
+from runner import blas, device
+from runner.decoder import Cancelled, PlainDecoder, PlainLoop, decode_plain, prefill
 from runner.emit import OPEN_MARKER, Emitter
+from runner.heads import load_draft_head
 from runner.loader import LoadedModel, load_model
-from runner.models.layers import add_row_layout
-from runner.models.llama import compile_blocks
 from runner.sampler import Sampler, SamplingParams
-from runner.speculative import MlxRoundOps, decode_speculative, guarded
 
 log = logging.getLogger("mtp_runner.engine")
 
@@ -65,13 +65,11 @@ class EngineOptions:
     prefill_chunk: int = 512
     dtype: str = "auto"
     keep_quantized: bool | None = None
-    pack: bool | None = None
-    # With a head on a packed model, also keep the [out, in] weights for verify rows
-    # (the weights' memory once more; runner.models.layers). None: where the BLAS in use
-    # gains from it (blas.row_layout_pays).
+    weight_layout: str = "auto"  # runner.device.LAYOUTS
+    # With a head on packed weights, also keep the [out, in] weights of o and down for verify
+    # rows (their memory once more). None: where the BLAS in use gains from it.
     row_layout: bool | None = None
-    # Compile the fixed-shape parts of each block for decode and verify rows
-    # (runner.models.llama.compile_blocks): pipelined decoding ~1.1x on this CPU.
+    # Compile the fixed-shape parts of each block for decode and verify rows (runner.device).
     compile: bool = True
 
 
@@ -83,15 +81,14 @@ class EngineInfo:
     mtp: bool
     mtp_detail: str
     blas: str
+    tuning: str  # what runner.device.tune applied
 
 
-class RequestError(Exception):
+class RequestError(CodedError):
     """A request the engine refuses before starting it (an ``error`` frame, no ``done``)."""
 
     def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(message, code=code)
 
 
 @dataclass
@@ -110,6 +107,15 @@ class Prepared:
 _OPTION_DEFAULTS = SamplingParams()
 
 
+@dataclass
+class Timeline:
+    """One request's counts and times for its ``done`` frame."""
+
+    start_ns: int
+    prompt_cached: int = 0
+    prefill_end_ns: int | None = None  # when the first generated token was read
+
+
 class Engine:
     def __init__(self, options: EngineOptions, progress: Progress | None = None) -> None:
         self.options = options
@@ -120,45 +126,51 @@ class Engine:
 
             path = ensure_default_model(report)
         self.loaded: LoadedModel = load_model(
-            path, dtype=options.dtype, keep_quantized=options.keep_quantized,
-            pack=options.pack, progress=report,
-        )  # fmt: skip
+            path, dtype=options.dtype, keep_quantized=options.keep_quantized, progress=report
+        )
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.caches = self.model.make_caches()
-        self.head = None
-        mtp_detail = "no draft head (disabled by --no-draft)"
+        head, mtp_detail = None, "no draft head (disabled by --no-draft)"
         if options.use_draft:
-            self.head, mtp_detail = load_draft_head(self.loaded, options.draft_path, auto=True)
-        row_layout = options.row_layout
-        if row_layout is None:
-            row_layout = blas.row_layout_pays()
-        if self.head is not None and row_layout:
-            add_row_layout(self.model)
-        if options.compile:  # after every weight change above: compiled blocks capture them
-            compile_blocks(self.model)
-            if self.head is not None:
-                compile_blocks(self.head)
+            head, mtp_detail = load_draft_head(self.loaded, options.draft_path)
+        self.tuning = device.tune(
+            self.model, head, layout=options.weight_layout, row_layout=options.row_layout,
+            compile=options.compile,
+        )  # fmt: skip
+        self.speculation: Speculation | None = None
+        if head is not None:
+            self.speculation = Speculation(
+                head, max_depth=options.max_draft, fixed_depth=options.draft_depth
+            )
+        if self.tuning.compiled:
             self._warm_up(report)
-        self.draft_cache = KVCache() if self.head is not None else None
         self.all_caches = [*self.caches] + ([self.draft_cache] if self.draft_cache else [])
         self.prefix: PrefixCache = self._make_prefix_cache()
         self.info = EngineInfo(
             model=self.loaded.name,
             context_length=self.loaded.context_length,
             vocab_size=self.loaded.vocab_size,
-            mtp=self.head is not None,
+            mtp=head is not None,
             mtp_detail=mtp_detail,
             blas=blas.blas_in_use(),
+            tuning=self.tuning.describe(),
         )
-        self.depth = DepthController(max_depth=options.max_draft)
         self.active: str | None = None
+
+    @property
+    def head(self):
+        return self.speculation.head if self.speculation is not None else None
+
+    @property
+    def draft_cache(self) -> KVCache | None:
+        return self.speculation.cache if self.speculation is not None else None
 
     # ----------------------------------------------------------------- set-up helpers
     def _warm_up(self, report: Progress) -> None:
         """Trace the compiled blocks for decode and depth-1 verify rows before the first
         request. The first run on a machine also JIT-compiles their fused CPU kernels
-        (~10 s; MLX keeps them under $TMPDIR/mlx for later processes)."""
+        (MLX keeps them under $TMPDIR/mlx for later processes)."""
         report("compile", 0, 1)
         for rows in (1, 2):
             caches = self.model.make_caches()
@@ -186,12 +198,14 @@ class Engine:
         return self.tokenizer.decode(tokens)
 
     def status(self) -> dict:
+        speculation = {"speculation_depth": 0, "speculation": {}}
+        if self.speculation is not None:
+            speculation = self.speculation.status()
         return {
             "cache_entries": self.prefix.entries,
             "cache_bytes": self.prefix.nbytes,
             "memory_bytes": int(mx.get_active_memory()),
-            "speculation_depth": self.depth.scheduled if self.head is not None else 0,
-            "speculation": self.depth.state() if self.head is not None else {},
+            **speculation,
         }
 
     def prepare(self, request) -> Prepared:
@@ -201,18 +215,18 @@ class Engine:
             bad = [t for t in prompt if not 0 <= t < self.info.vocab_size]
             if bad:
                 raise RequestError(
-                    "bad_request",
+                    BAD_REQUEST,
                     f"tokens: id {bad[0]} is outside the vocabulary "
                     f"(0..{self.info.vocab_size - 1})",
                 )
         else:
             prompt = self.tokenizer.encode(request.prompt or "")
         if not prompt:
-            raise RequestError("bad_request", "prompt: empty prompt")
+            raise RequestError(BAD_REQUEST, "prompt: empty prompt")
         ctx = self.info.context_length
         if len(prompt) >= ctx:
             raise RequestError(
-                "context_overflow",
+                CONTEXT_OVERFLOW,
                 f"prompt is {len(prompt)} tokens but the context holds {ctx} "
                 f"(at most {ctx - 1} prompt tokens)",
             )
@@ -222,7 +236,6 @@ class Engine:
             value = getattr(opts, name, None) if opts is not None else None
             return getattr(_OPTION_DEFAULTS, name) if value is None else value
 
-        seed = getattr(opts, "seed", None) if opts is not None else None
         params = SamplingParams(
             temperature=float(opt("temperature")),
             top_k=int(opt("top_k")),
@@ -232,7 +245,7 @@ class Engine:
             repeat_last_n=int(opt("repeat_last_n")),
             presence_penalty=float(opt("presence_penalty")),
             frequency_penalty=float(opt("frequency_penalty")),
-            seed=None if seed is None or seed < 0 else int(seed),
+            seed=getattr(opts, "seed", None) if opts is not None else None,
         )
         num_predict = getattr(opts, "num_predict", None) if opts is not None else None
         room = ctx - len(prompt)
@@ -254,18 +267,21 @@ class Engine:
     def run(self, req: Prepared, emit: Emit, cancelled: Callable[[], bool]) -> None:
         """Serve one completion: token frames, then exactly one done frame."""
         self.active = req.id
-        t0 = time.perf_counter_ns()
-        session = self._begin(req.prompt)
-        counts = {"prompt_cached": session.cached, "prefill_end": None, "generated": 0}
-        stats = SpecStats()
+        times = Timeline(start_ns=time.perf_counter_ns())
+        session: CacheSession | None = self.prefix.begin(req.prompt)
+        times.prompt_cached = session.cached
+        ledger = Ledger()
+        spec = self.speculation.open(self.model.unembed) if self.speculation else None
+        stats = spec.stats if spec is not None else SpecStats()
         outcome = Outcome("error")
         try:
-            outcome = self._generate(req, session, emit, cancelled, counts, stats)
+            with spec or contextlib.nullcontext():
+                outcome = self._generate(req, session, spec, ledger, emit, cancelled, times)
             if outcome.error is not None:
-                emit(pf.Error(id=req.id, code="internal", message=outcome.error))
+                emit(CodedError(outcome.error).frame(req.id))
         except Exception as exc:  # one request's failure never takes the runner down
             log.exception("generation failed for %s", req.id)
-            emit(pf.Error(id=req.id, code="internal", message=f"{type(exc).__name__}: {exc}"))
+            emit(error_frame(req.id, exc))
             outcome = Outcome("error")
             self._invalidate_caches()
             session = None
@@ -276,24 +292,21 @@ class Engine:
             # Return freed buffers to the system so a long-lived runner stays flat in memory.
             mx.clear_cache()
         t_end = time.perf_counter_ns()
-        t_prefill = counts["prefill_end"] or t_end
+        t_prefill = times.prefill_end_ns or t_end
         emit(
             pf.Done(
                 id=req.id,
                 done_reason=outcome.reason,
                 prompt_tokens=len(req.prompt),
-                prompt_cached_tokens=counts["prompt_cached"],
-                prompt_eval_ns=t_prefill - t0,
-                eval_tokens=counts["generated"],
+                prompt_cached_tokens=times.prompt_cached,
+                prompt_eval_ns=t_prefill - times.start_ns,
+                eval_tokens=ledger.used,
                 eval_ns=t_end - t_prefill,
                 speculation=pf.Speculation(**stats.as_dict()),
             )
         )
 
-    def _begin(self, prompt: list[int]):
-        return self.prefix.begin(prompt)
-
-    def _close_session(self, session, outcome: Outcome) -> None:
+    def _close_session(self, session: CacheSession, outcome: Outcome) -> None:
         tail = list(outcome.fed)
         if outcome.final is not None:
             tail.append(outcome.final)
@@ -315,24 +328,26 @@ class Engine:
             c.reset()
 
     def _generate(
-        self, req: Prepared, session, emit: Emit, cancelled, counts, stats: SpecStats
+        self,
+        req: Prepared,
+        session: CacheSession,
+        spec: SpeculationSession | None,
+        ledger: Ledger,
+        emit: Emit,
+        cancelled: Callable[[], bool],
+        times: Timeline,
     ) -> Outcome:
         remaining = session.remaining
-        draft = None
-        if self.head is not None:
-            draft = DraftSession(self.head, self.draft_cache, self.model.unembed)
-        on_commit = guarded(draft, "committed")
+        on_commit = spec.on_commit if spec is not None else None
         try:
-            position = prefill(
+            prefill(
                 self.model, self.caches, remaining[:-1], session.cached,
                 chunk=self.options.prefill_chunk, cancelled=cancelled, on_commit=on_commit,
-                on_chunk=session.reached,
             )  # fmt: skip
         except Cancelled:
             # Keep what prefill finished; level the draft cache with the next prompt token.
             outcome = Outcome("cancelled", final=req.prompt[self.caches[0].offset])
-            self._close_draft(draft, outcome)
-            return outcome
+            return spec.finish(outcome) if spec is not None else outcome
         sampler = Sampler(
             req.params,
             history=req.prompt,
@@ -350,49 +365,30 @@ class Engine:
             think_budget=req.think_budget, send=send, prompt_open_think=opened,
         )  # fmt: skip
         decoder = PlainDecoder(
-            self.model, self.caches, sampler, position,
+            self.model, self.caches, sampler,
             top_logprobs=req.top_logprobs if req.logprobs else None, on_commit=on_commit,
         )  # fmt: skip
 
         def first_token() -> None:
-            counts["prefill_end"] = time.perf_counter_ns()
+            times.prefill_end_ns = time.perf_counter_ns()
 
         loop = PlainLoop(
-            decoder, emitter, max_tokens=req.max_tokens,
+            decoder, emitter, ledger, max_tokens=req.max_tokens,
             context_length=self.info.context_length, logprob_entry=self._logprob_entry,
             on_first_token=first_token,
         )  # fmt: skip
-        try:
-            if draft is None:
-                outcome = decode_plain(loop, remaining[-1], cancelled)
-            else:
-                # Logprobs are per plain step; such requests park for good but keep the
-                # draft KV current.
-                speculate = req.speculative and not req.logprobs
-                if self.options.draft_depth is not None:
-                    depth = FixedDepth(self.options.draft_depth if speculate else 0)
-                else:
-                    depth = self.depth.session(speculative=speculate)
-                ops = MlxRoundOps(self.model, self.caches, draft, sampler)
-                driver = RoundDriver(
-                    ops, emitter.push, cancelled, depth=depth, budget=req.max_tokens, stats=stats
-                )
-                outcome = decode_speculative(loop, driver, remaining[-1], cancelled)
-        finally:
-            counts["generated"] = emitter.generated
+        if spec is None:
+            outcome = decode_plain(loop, remaining[-1], cancelled)
+        else:
+            # Logprobs are per plain step: such requests park for good but keep the draft KV
+            # current.
+            outcome = spec.decode(
+                loop, remaining[-1], cancelled, model=self.model, caches=self.caches,
+                sampler=sampler, emit=emitter.push, budget=req.max_tokens,
+                speculate=req.speculative and not req.logprobs,
+            )  # fmt: skip
         emitter.finish()
-        self._close_draft(draft, outcome)
         return outcome
-
-    @staticmethod
-    def _close_draft(draft: DraftSession | None, outcome: Outcome) -> None:
-        """Complete the last pair with the token after the last fed one and flush, so the
-        draft cache rests level with the target."""
-        if draft is None:
-            return
-        if outcome.final is not None:
-            guarded(draft, "settle")(outcome.final)
-        guarded(draft, "close")()
 
     def _logprob_entry(self, sampled) -> object | None:
         if sampled.logprobs is None:

@@ -9,25 +9,16 @@ Hugging Face layout (rotate-half RoPE), whatever file it came from.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import mlx.core as mx
 
-from runner.errors import (
-    CorruptModelFile,
-    UnsupportedArchitecture,
-    UnsupportedTokenizer,
-)
-from runner.loader import (
-    LoadedModel,
-    Progress,
-    apply_weights,
-    dequantize_weights,
-    quantize_model,
-)
-from runner.models import build_model
+from protocol.errors import CorruptModelFile, UnsupportedArchitecture, UnsupportedTokenizer
 from runner.tokenizer import Tokenizer
 
-GGUF_GROUP_SIZE = 32
+# Q4_0/Q4_1/Q8_0 blocks as mx.load hands them over.
+GROUP_SIZE = 32
+Progress = Callable[[str, int, int], None]
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 _LAYER_NAMES = {
@@ -213,7 +204,11 @@ def gguf_tokenizer(meta: dict, path: str) -> Tokenizer:
     return Tokenizer(hf, bos_id=bos, eos_ids=eos_ids, add_bos=add_bos, vocab_size=len(tokens))
 
 
-def load_gguf(path: str, dtype: mx.Dtype, keep_quantized: bool, report: Progress) -> LoadedModel:
+def read_checkpoint(
+    path: str, report: Progress
+) -> tuple[dict, dict[str, mx.array], Tokenizer, str]:
+    """(Hugging Face style config, tensors under Hugging Face names, tokenizer, name) of a GGUF
+    file; the loader builds and loads the model from them as from a directory."""
     report("read", 0, 1)
     weights, meta = read_gguf(path)
     report("read", 1, 1)
@@ -222,18 +217,5 @@ def load_gguf(path: str, dtype: mx.Dtype, keep_quantized: bool, report: Progress
     weights = map_gguf_tensors(weights, config)
     if "lm_head.weight" not in weights:
         config["tie_word_embeddings"] = True
-    model = build_model(config, path=path)
-    quantized = any(k.endswith(".scales") for k in weights)
-    if quantized and keep_quantized:
-        quantize_model(model, weights, GGUF_GROUP_SIZE)
-    elif quantized:
-        report("dequantize", 0, 1)
-        dequantize_weights(weights, GGUF_GROUP_SIZE, None)
-    extras = apply_weights(model, weights, {"*": path}, dtype)
-    report("ready", 1, 1)
     name = _scalar(meta.get("general.name")) or os.path.splitext(os.path.basename(path))[0]
-    return LoadedModel(
-        model=model, tokenizer=tokenizer, config=config, name=str(name), path=path,
-        context_length=config["max_position_embeddings"], dtype=dtype,
-        quantized=quantized and keep_quantized, extra_weights=extras,
-    )  # fmt: skip
+    return config, weights, tokenizer, str(name)

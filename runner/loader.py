@@ -10,16 +10,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
-from runner.errors import (
-    CorruptModelFile,
-    LoadError,
-    MissingTensor,
-    ModelFileMissing,
-    TensorShapeMismatch,
-    TokenizerMissing,
-)
+from drafting.weights import check_and_load, dequantize, read_json, read_safetensors
+from protocol.errors import CorruptModelFile, LoadError, ModelFileMissing, TokenizerMissing
+from runner import gguf
 from runner.models import build_model
 from runner.models.llama import Model
 from runner.tokenizer import Tokenizer
@@ -66,30 +60,10 @@ def _parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype:
         raise LoadError(f"unknown dtype {dtype!r} (use float32, float16 or bfloat16)") from None
 
 
-def _read_json(path: str, missing: type[LoadError] = ModelFileMissing) -> dict:
-    if not os.path.exists(path):
-        raise missing(f"{os.path.basename(path)} not found", path=path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CorruptModelFile(f"cannot parse JSON: {exc}", path=path) from None
-    if not isinstance(data, dict):
-        raise CorruptModelFile("expected a JSON object", path=path)
-    return data
-
-
-def read_safetensors(path: str) -> dict[str, mx.array]:
-    try:
-        return mx.load(path, format="safetensors")
-    except Exception as exc:  # mlx raises RuntimeError/ValueError with terse messages
-        raise CorruptModelFile(f"cannot read safetensors ({exc})", path=path) from None
-
-
 def _weight_files(directory: str) -> list[str]:
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        data = _read_json(index)
+        data = read_json(index)
         shards = sorted(set(data.get("weight_map", {}).values()))
         files = [os.path.join(directory, s) for s in shards]
         for f in files:
@@ -102,18 +76,6 @@ def _weight_files(directory: str) -> list[str]:
     if not files:
         raise ModelFileMissing("no *.safetensors weights found", path=directory)
     return files
-
-
-def dequantize_weights(weights: dict[str, mx.array], group_size: int, bits: int | None) -> None:
-    """Replace every ``X.weight``/``X.scales``/``X.biases`` triple by a dense ``X.weight``."""
-    for name in [k for k in weights if k.endswith(".scales")]:
-        base = name[: -len(".scales")]
-        w, scales = weights[base + ".weight"], weights.pop(name)
-        biases = weights.pop(base + ".biases", None)
-        layer_bits = bits or (w.shape[-1] * 32) // (scales.shape[-1] * group_size)
-        weights[base + ".weight"] = mx.dequantize(
-            w, scales, biases, group_size=group_size, bits=layer_bits
-        )
 
 
 def quantize_model(model: nn.Module, weights: dict[str, mx.array], group_size: int) -> None:
@@ -130,51 +92,18 @@ def quantize_model(model: nn.Module, weights: dict[str, mx.array], group_size: i
     nn.quantize(model, group_size=group_size, class_predicate=predicate)
 
 
-def apply_weights(
-    model: Model,
-    weights: dict[str, mx.array],
-    source: dict[str, str],
-    dtype: mx.Dtype,
-) -> dict[str, mx.array]:
-    """Check names and shapes against the model, cast floats to ``dtype`` and load them.
-
-    Returns the tensors the model does not use. ``source`` maps a tensor name to its file for
-    error messages.
-    """
-    expected = dict(tree_flatten(model.parameters()))
-    for name, param in expected.items():
-        if name not in weights:
-            raise MissingTensor("required tensor is missing", path=source.get("*"), tensor=name)
-        got = weights[name]
-        if tuple(got.shape) != tuple(param.shape):
-            raise TensorShapeMismatch(
-                f"expected shape {tuple(param.shape)}, found {tuple(got.shape)}",
-                path=source.get(name, source.get("*")),
-                tensor=name,
-            )
-    extras = {k: v for k, v in weights.items() if k not in expected}
-    loaded = []
-    for name in expected:
-        w = weights[name]
-        loaded.append((name, w.astype(dtype) if mx.issubdtype(w.dtype, mx.floating) else w))
-    model.load_weights(loaded, strict=True)
-    mx.eval(model.parameters())
-    return extras
-
-
 def load_model(
     path: str,
     *,
     dtype: str | mx.Dtype | None = None,
     keep_quantized: bool | None = None,
-    pack: bool | None = None,
     progress: Progress | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face directory or a GGUF file; every failure is a typed ``LoadError``.
 
     ``keep_quantized`` defaults to False on CPU (dequantize to ``dtype``, since BLAS only
-    covers dense float32 there) and True elsewhere. ``pack`` (default: on CPU) stores dense
-    weights transposed for faster decoding (``runner.models.layers``).
+    covers dense float32 there) and True elsewhere. The weights stay in the Hugging Face
+    layout; ``runner.device.tune`` lays them out for the device.
     """
     path = os.path.expanduser(path)
     if not os.path.exists(path):
@@ -188,53 +117,50 @@ def load_model(
             with open(path, "rb") as f:
                 if f.read(4) != b"GGUF":
                     raise CorruptModelFile("not a GGUF file or model directory", path=path)
-        from runner.gguf import load_gguf
-
-        loaded = load_gguf(path, target_dtype, keep_quantized, report)
+        config, weights, tokenizer, name = gguf.read_checkpoint(path, report)
+        model = build_model(config, path=path)
+        sources, group_size, bits = {}, gguf.GROUP_SIZE, None
     else:
-        loaded = _load_directory(path, target_dtype, keep_quantized, report)
-    if pack if pack is not None else mx.default_device() == mx.cpu:
-        loaded.model.pack_for_cpu()
-    return loaded
+        config_path = os.path.join(path, "config.json")
+        config = read_json(config_path)
+        model = build_model(config, path=config_path)  # refuse before reading any weights
+        weights, sources, tokenizer, name = _read_directory(path, config, report)
+        quant = config.get("quantization") or config.get("quantization_config") or {}
+        group_size, bits = int(quant.get("group_size", 64)), quant.get("bits")
+    if model.args.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    quantized = any(k.endswith(".scales") for k in weights)
+    if quantized and keep_quantized:
+        quantize_model(model, weights, group_size)
+    elif quantized:
+        report("dequantize", 0, 1)
+        dequantize(weights, group_size, bits)
+    extras = check_and_load(model, weights, path=path, sources=sources, dtype=target_dtype)
+    report("ready", 1, 1)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, config=config, name=str(name), path=path,
+        context_length=int(config.get("max_position_embeddings") or 4096), dtype=target_dtype,
+        quantized=quantized and keep_quantized, extra_weights=extras,
+    )  # fmt: skip
 
 
-def _load_directory(
-    directory: str, dtype: mx.Dtype, keep_quantized: bool, report: Progress
-) -> LoadedModel:
-    config_path = os.path.join(directory, "config.json")
-    config = _read_json(config_path)
-    model = build_model(config, path=config_path)
+def _read_directory(directory: str, config: dict, report: Progress):
+    """(tensors, tensor -> file, tokenizer, name) of a Hugging Face directory."""
     tokenizer = load_hf_tokenizer(directory, config)
     files = _weight_files(directory)
     weights: dict[str, mx.array] = {}
-    source: dict[str, str] = {"*": directory}
+    sources: dict[str, str] = {}
     for i, f in enumerate(files):
         report("weights", i, len(files))
         shard = read_safetensors(f)
         for k in shard:
-            source[k] = f
+            sources[k] = f
         weights.update(shard)
     report("weights", len(files), len(files))
     for k in [k for k in weights if k.endswith(_IGNORED_SUFFIXES)]:
         del weights[k]
-    if model.args.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    quant = config.get("quantization") or config.get("quantization_config") or {}
-    quantized = any(k.endswith(".scales") for k in weights)
-    group_size = int(quant.get("group_size", 64))
-    if quantized and keep_quantized:
-        quantize_model(model, weights, group_size)
-    elif quantized:
-        dequantize_weights(weights, group_size, quant.get("bits"))
-    extras = apply_weights(model, weights, source, dtype)
-    report("ready", 1, 1)
     name = config.get("_name_or_path") or os.path.basename(os.path.normpath(directory))
-    context = int(config.get("max_position_embeddings") or 4096)
-    return LoadedModel(
-        model=model, tokenizer=tokenizer, config=config, name=str(name), path=directory,
-        context_length=context, dtype=dtype, quantized=quantized and keep_quantized,
-        extra_weights=extras,
-    )  # fmt: skip
+    return weights, sources, tokenizer, name
 
 
 def _token_id(tok: object, hf) -> int | None:
@@ -257,9 +183,9 @@ def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
     except Exception as exc:
         raise CorruptModelFile(f"cannot parse tokenizer ({exc})", path=tok_path) from None
     tok_cfg_path = os.path.join(directory, "tokenizer_config.json")
-    tok_cfg = _read_json(tok_cfg_path) if os.path.exists(tok_cfg_path) else {}
+    tok_cfg = read_json(tok_cfg_path) if os.path.exists(tok_cfg_path) else {}
     gen_path = os.path.join(directory, "generation_config.json")
-    gen_cfg = _read_json(gen_path) if os.path.exists(gen_path) else {}
+    gen_cfg = read_json(gen_path) if os.path.exists(gen_path) else {}
 
     eos: set[int] = set()
     for src in (gen_cfg.get("eos_token_id"), config.get("eos_token_id")):

@@ -110,9 +110,6 @@ class Tokenizer:
         """The text of one token alone (logprob listings)."""
         return self.token_bytes(token).decode("utf-8", errors="replace")
 
-    def is_eos(self, token: int) -> bool:
-        return token in self.eos_ids
-
     def detokenizer(self) -> StreamingDetokenizer:
         return StreamingDetokenizer(self)
 

@@ -45,14 +45,12 @@ CONFIGS = {
 def worker(args: argparse.Namespace) -> None:
     import runner  # noqa: I001  (first: the BLAS preload must happen before mlx is imported)
     import mlx.core as mx
+    import runner.device
     from runner.loader import load_model
 
-    loaded = load_model(args.model, keep_quantized=args.keep_quantized, pack=not args.no_pack)
+    loaded = load_model(args.model, keep_quantized=args.keep_quantized)
     model = loaded.model
-    if args.compile:
-        from runner.models.llama import compile_blocks
-
-        compile_blocks(model)
+    runner.device.tune(model, layout="hf" if args.no_pack else "packed", compile=args.compile)
     prompt = mx.array([[(i * 7919) % 40000 + 100 for i in range(args.prefill)]], dtype=mx.int32)
 
     warm = model.make_caches()  # first-use costs (allocations, BLAS threads) are not timed

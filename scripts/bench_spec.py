@@ -90,7 +90,7 @@ def main() -> int:
     if args.random_head:
         from runner.loader import load_model
 
-        draft = random_head_dir(load_model(model, pack=False))
+        draft = random_head_dir(load_model(model))
     engine = Engine(EngineOptions(model_path=model, draft_path=draft, draft_depth=args.depth))
     if engine.head is None:
         print(f"no draft head: {engine.info.mtp_detail}", file=sys.stderr)

@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def heldout_answers(args, tokenizer, work_dir: str):
     """The target's greedy and sampled answers to the held-out prompts (cached)."""
-    from mtp_training import dataset, prompts
+    from mtp_training import dataset, generate, prompts
     from train_mtp_head import select_prompts
 
     items = prompts.load_prompt_set(args.prompts_dir)
@@ -70,7 +70,7 @@ def heldout_answers(args, tokenizer, work_dir: str):
         seed=args.seed, top_p=args.top_p,
     )  # fmt: skip
     dataset.prepare_plan(work_dir, jobs, settings)
-    seconds = dataset.run_generation(work_dir, args.gen_workers)
+    seconds = generate.run_generation(work_dir, args.gen_workers)
     seqs = dataset.load_sequences(work_dir)
     print(f"held-out: {len(heldout)} prompts from {len({p.template for p in heldout})} "
           f"templates ({seconds / 60:.1f} min generating)", flush=True)  # fmt: skip
@@ -154,13 +154,15 @@ def main(argv=None) -> int:
     from mtp_training.chain import SamplingOptions, evaluate_chain
     from mtp_training.npmodel import NumpyOutput
 
+    from runner import device
     from runner.default_model import home
-    from runner.draft_loader import load_draft_head
+    from runner.heads import load_draft_head
     from runner.loader import load_model
 
     start = time.time()
-    loaded = load_model(args.target)  # packed, as the runner runs it
+    loaded = load_model(args.target)
     head, description = load_draft_head(loaded, args.head)
+    device.tune(loaded.model, head, compile=False)  # laid out as the runner runs them
     print(description, flush=True)
     name = os.path.basename(os.path.normpath(args.target)).removesuffix(".gguf")
     work_dir = os.path.expanduser(args.work_dir or os.path.join(home(), "eval", name))

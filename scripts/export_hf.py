@@ -97,7 +97,7 @@ def export(model_path: str, out_dir: str) -> str:
 
     from runner.loader import load_model
 
-    loaded = load_model(model_path, dtype="float32", keep_quantized=False, pack=False)
+    loaded = load_model(model_path, dtype="float32", keep_quantized=False)
     weights = dict(tree_flatten(loaded.model.parameters()))
     if loaded.model.args.model_type != "llama":
         raise SystemExit(

@@ -29,7 +29,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp_training import dataset, prompts  # noqa: E402  (imports no mlx)
+from mtp_training import dataset, prompts  # noqa: E402
+from mtp_training import generate as generation  # noqa: E402
 
 import runner  # noqa: E402,F401  (OpenBLAS before mlx)
 
@@ -158,7 +159,7 @@ def generate(args, work_dir: str) -> dict:
         f"{len(jobs)} answers in {len(batches)} batches ({have} cached)",
         flush=True,
     )
-    seconds = dataset.run_generation(work_dir, args.gen_workers)
+    seconds = generation.run_generation(work_dir, args.gen_workers)
     stats_path = os.path.join(work_dir, "gen_stats.json")
     stats = {}
     if os.path.exists(stats_path):

@@ -101,7 +101,6 @@ def serve(
             out.rows.extend(forward_rows(model, target, prompt[pos:end]))
             out.positions.extend(range(pos, end))
             pos = end
-            session.reached(end)
         if stop_at is not None:
             out.cancelled = True
             return out

@@ -53,7 +53,7 @@ def run_script(tokenizer, prompt, answer, *, max_tokens=0, stop=(), cancel_after
     script = [0] * (len(prompt) - 1) + list(answer) + [eos] * 8
     model = ScriptedModel(script, tokenizer.vocab_size, log)
     caches = model.make_caches()
-    position = prefill(model, caches, prompt[:-1], 0, chunk=4)
+    prefill(model, caches, prompt[:-1], 0, chunk=4)
     sampler = Sampler(GREEDY, history=prompt, vocab_size=tokenizer.vocab_size, context_length=512)
     emitted: list[int] = []
 
@@ -62,7 +62,7 @@ def run_script(tokenizer, prompt, answer, *, max_tokens=0, stop=(), cancel_after
         emitted.extend(ids)
 
     emitter = Emitter(tokenizer, stop=list(stop), max_tokens=max_tokens, send=send)
-    dec = PlainDecoder(model, caches, sampler, position)
+    dec = PlainDecoder(model, caches, sampler)
     cancelled = lambda: cancel_after is not None and len(emitted) >= cancel_after  # noqa: E731
     loop = PlainLoop(dec, emitter, max_tokens=max_tokens, context_length=512)
     outcome = decode_plain(loop, prompt[-1], cancelled)

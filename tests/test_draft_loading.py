@@ -15,9 +15,9 @@ from mlx.utils import tree_flatten
 from cache.kv import KVCache
 from drafting.load import scheme_name, write_sidecar
 from drafting.session import DraftSession
-from runner import default_model
-from runner.draft_loader import load_draft_head, sidecar_candidates
-from runner.errors import DraftHeadError
+from protocol.errors import DraftHeadError
+from runner import default_model, device
+from runner.heads import load_draft_head, sidecar_candidates
 from runner.loader import load_model
 from runner.sampler import Sampler, SamplingParams
 from tests.checkpoints import write_checkpoint
@@ -30,7 +30,7 @@ PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 64, 12, 8]
 @pytest.fixture(scope="module")
 def base(tiny_checkpoint):
     """The tiny target (unpacked, for reading weights) and a random head for it."""
-    loaded = load_model(tiny_checkpoint, pack=False)
+    loaded = load_model(tiny_checkpoint)
     return loaded, random_head(loaded, seed=7)
 
 
@@ -106,9 +106,11 @@ def test_every_naming_and_a_sidecar_load_the_same_head(base, tmp_path):
 
 
 def test_loaded_head_equals_the_unpacked_module(base, tmp_path):
-    # The loader packs the head like the target (fc included); outputs must not change.
+    # Device tuning packs the head like the target (fc included); outputs must not change.
     loaded, head = base
-    got, _ = load_draft_head(load_model(loaded.path), sidecar(tmp_path / "s", head, loaded))
+    target = load_model(loaded.path)
+    got, _ = load_draft_head(target, sidecar(tmp_path / "s", head, loaded))
+    device.tune(target.model, got, compile=False)
     assert got.fc.get("_wt") is not None and got.layers[0].mlp.up_proj.get("_wt") is not None
     tokens = mx.array([[3, 99, 250]])
     hidden = mx.random.normal((1, 3, loaded.model.args.hidden_size))
@@ -181,7 +183,6 @@ def test_sidecar_next_to_the_model_is_found(base, tmp_path):
     sidecar(os.path.join(ckpt, "mtp"), head, loaded)
     got, why = load_draft_head(load_model(ckpt))
     assert got is not None and os.path.join(ckpt, "mtp") in why
-    assert load_draft_head(load_model(ckpt), auto=False)[0] is None
     # --draft may also name the weights file itself.
     got, _ = load_draft_head(target, os.path.join(ckpt, "mtp", "mtp.safetensors"))
     assert got is not None

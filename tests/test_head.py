@@ -94,7 +94,7 @@ def np_head_logits(head, loaded, tokens, hiddens):
 
 @pytest.fixture(scope="module")
 def target(tiny_checkpoint):
-    return load_model(tiny_checkpoint, pack=False)
+    return load_model(tiny_checkpoint)
 
 
 @pytest.mark.parametrize("hidden_first", [False, True], ids=["embed-first", "hidden-first"])

@@ -9,7 +9,7 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from runner import errors
+from protocol import errors
 from runner.loader import load_model
 
 

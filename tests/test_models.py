@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cache.kv import KVCache
+from runner import device
 from runner.loader import load_model
 
 FAMILIES = [
@@ -34,6 +35,13 @@ FAMILIES = [
 TOKENS = [5, 17, 42, 99, 7, 3, 250, 31, 64, 12, 8, 77, 150, 201, 19, 44, 2, 90, 33, 61]
 
 
+def packed(path: str):
+    """The model at ``path`` with its weights laid out for the CPU, blocks eager."""
+    model = load_model(path).model
+    device.tune(model, layout="packed", compile=False)
+    return model
+
+
 def _ids(*names):
     return "-".join(str(n) for n in names)
 
@@ -42,7 +50,9 @@ def _ids(*names):
 @pytest.mark.parametrize("pack", [False, True], ids=["hf-layout", "packed"])
 def test_prefill_then_decode_equals_full_forward(checkpoint_factory, model_type, kwargs, pack):
     path = checkpoint_factory(model_type, **kwargs)
-    lm = load_model(path, pack=pack)
+    lm = load_model(path)
+    if pack:
+        device.tune(lm.model, layout="packed", compile=False)
     model = lm.model
     tokens = mx.array([TOKENS])
 
@@ -126,7 +136,7 @@ def test_batched_rows_are_independent(tiny_checkpoint):
 def test_row_layout_serves_verify_rows_with_the_same_results(checkpoint_factory):
     from runner.models.layers import MAX_ROWS_LEFT, add_row_layout
 
-    model = load_model(checkpoint_factory("qwen2"), pack=True).model  # biases too
+    model = packed(checkpoint_factory("qwen2"))  # biases too
 
     def feed(rows: int):
         caches = model.make_caches()
@@ -154,8 +164,8 @@ def test_fused_projections_compute_what_the_separate_ones_do(checkpoint_factory,
     from runner.models.llama import fuse_projections
 
     path = checkpoint_factory(model_type)
-    separate = load_model(path, pack=False).model
-    fused = load_model(path, pack=True).model
+    separate = load_model(path).model
+    fused = packed(path)
     assert fuse_projections(fused) == 0  # packing fused every block already
     attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
     assert "_qkv_t" in attn and "_gate_up_t" in mlp
@@ -227,8 +237,8 @@ def test_compiled_blocks_compute_what_the_eager_ones_do(checkpoint_factory, mode
     from runner.models.llama import COMPILED_MAX_ROWS, compile_blocks, uncompile_blocks
 
     path = checkpoint_factory(model_type)
-    eager = load_model(path, pack=True).model
-    compiled = load_model(path, pack=True).model
+    eager = packed(path)
+    compiled = packed(path)
     assert compile_blocks(compiled) == len(compiled.layers)
 
     def feed(model, prefix: int, rows: int):
@@ -253,3 +263,39 @@ def test_compiled_blocks_compute_what_the_eager_ones_do(checkpoint_factory, mode
     assert float(mx.abs(feed(compiled, 1, long) - before_long).max()) > 1e-2
     assert uncompile_blocks(compiled) == len(compiled.layers)
     assert float(mx.abs(feed(compiled, 9, 2) - before_short).max()) > 1e-2
+
+
+KERNEL_FAMILIES = [
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                "original_max_position_embeddings": 64}}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_type", "kwargs"), KERNEL_FAMILIES, ids=lambda v: str(v)[:12])
+def test_composed_and_fast_kernels_decode_the_same_greedy_tokens(
+    checkpoint_factory, model_type, kwargs
+):
+    """The CPU's composed attention and RoPE and the ``mx.fast`` kernels a GPU runs, each
+    forced on the CPU through the device door: the same greedy tokens, prefill chunks of
+    several rows, compiled decode rows and a two-row verify-like feed included."""
+    path = checkpoint_factory(model_type, seed=3, **kwargs)
+
+    def greedy(fast: bool) -> tuple[list[int], mx.array]:
+        model = load_model(path).model
+        tuning = device.tune(model, fast_kernels=fast)
+        assert tuning.fast_kernels is fast and tuning.compiled
+        caches = model.make_caches()
+        logits, _ = model.forward(mx.array([TOKENS[:12]]), caches)
+        out = [int(mx.argmax(logits[0, -1]))]
+        for _ in range(20):
+            logits, _ = model.forward(mx.array([[out[-1]]]), caches)
+            out.append(int(mx.argmax(logits[0, -1])))
+        rows, _ = model.forward(mx.array([out[-2:]]), caches)
+        return out, rows
+
+    composed, composed_rows = greedy(False)
+    fast, fast_rows = greedy(True)
+    assert composed == fast
+    np.testing.assert_allclose(np.array(composed_rows), np.array(fast_rows), atol=1e-4)

@@ -520,11 +520,15 @@ def test_cli_defaults_and_flags():
         None, 512, "auto", 64)  # fmt: skip
     args = build_parser().parse_args(
         ["--model", "m.gguf", "--cache-bytes", "512M", "--no-prefix-cache", "--keep-quantized",
-         "--no-pack", "--dtype", "float16", "--queue-limit", "3", "--max-draft", "0"]
+         "--weight-layout", "hf", "--dtype", "float16", "--queue-limit", "3", "--max-draft", "0"]
     )  # fmt: skip
     assert (args.model, args.cache_bytes, args.no_prefix_cache) == ("m.gguf", 512 << 20, True)
-    assert (args.keep_quantized, args.no_pack, args.dtype) == (True, True, "float16")
+    assert (args.keep_quantized, args.weight_layout, args.dtype) == (True, "hf", "float16")
     assert (args.queue_limit, args.max_draft) == (3, 0)
+    from runner.device import LAYOUTS
+
+    layouts = next(a.choices for a in build_parser()._actions if a.dest == "weight_layout")
+    assert tuple(layouts) == LAYOUTS
     # The verify-row layout: auto (None) unless forced either way.
     assert args.row_layout is None
     assert build_parser().parse_args(["--row-layout"]).row_layout is True

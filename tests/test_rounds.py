@@ -594,8 +594,10 @@ def test_parked_rounds_are_counted_and_timed():
     ticks = iter(range(100))
     controller = DepthController(max_depth=2, clock=lambda: float(next(ticks)))
     ops, _, driver = make(depth=controller.session(), budget=10)
-    for token in (12, 13, 14):
-        driver.parked_round(token)
+    for token in (12, 13, 14):  # the plain loop writes the shared ledger, then accounts
+        driver.ledger.emit(token)
+        driver.ledger.commit([token])
+        driver.parked_round()
     assert driver.used == 3 and driver.committed == [12, 13, 14]
     assert driver.stats.parked == 3
     assert controller.state()["cost_ms"] == {0: 1000.0}  # third round closed the second

@@ -25,7 +25,7 @@ DEPTHS = [1, 2, 4, 8]
 
 @pytest.fixture(scope="module")
 def model_and_head(tiny_checkpoint, tmp_path_factory):
-    loaded = load_model(tiny_checkpoint, pack=False)
+    loaded = load_model(tiny_checkpoint)
     head_dir = write_head(str(tmp_path_factory.mktemp("echo-head")), loaded, echo_head(loaded))
     return tiny_checkpoint, head_dir
 

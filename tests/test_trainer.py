@@ -37,7 +37,7 @@ from mtp_training.sidecar import build_head  # noqa: E402
 
 from cache.kv import KVCache  # noqa: E402
 from drafting.session import DraftSession  # noqa: E402
-from runner.draft_loader import load_draft_head  # noqa: E402
+from runner.heads import load_draft_head  # noqa: E402
 from runner.loader import load_model  # noqa: E402
 from runner.sampler import Sampler, SamplingParams  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_sidecar_loads_through_the_runner_and_drafts_like_the_trained_head(train
     with open(os.path.join(out, "config.json")) as f:
         recorded = json.load(f)["training"]["heldout_acceptance"]
     assert abs(trained_agreement - recorded) < 0.05  # float16 storage may flip a near-tie
-    fresh = build_head(load_model(target, pack=False).model, head.config.draft_vocab)
+    fresh = build_head(load_model(target).model, head.config.draft_vocab)
     assert trained_agreement > train.agreement(fresh, batches) + 0.2
 
     # Drafting with the loaded head as the runner does: tokens from the draft vocabulary.
@@ -266,7 +266,7 @@ def test_adding_prompts_extends_the_cached_plan(trained, tmp_path):
     ],
 )  # fmt: skip
 def test_numpy_forward_matches_the_mlx_model(checkpoint_factory, model_type, extra):
-    loaded = load_model(checkpoint_factory(model_type, seed=5, **extra), pack=False)
+    loaded = load_model(checkpoint_factory(model_type, seed=5, **extra))
     tokens = np.array([[5, 17, 101, 33, 7, 250, 12, 9, 64, 3, 8, 200]])
     ref = np.array(loaded.model.hidden(mx.array(tokens), loaded.model.make_caches()))
     target = NumpyLlama(loaded.model)
@@ -281,7 +281,7 @@ def test_numpy_forward_matches_the_mlx_model(checkpoint_factory, model_type, ext
 
 
 def test_left_padded_batch_generation_matches_single_sequences(tiny_checkpoint):
-    loaded = load_model(tiny_checkpoint, pack=False)
+    loaded = load_model(tiny_checkpoint)
     tok = loaded.tokenizer
     texts = ["hello there", "the capital of France is", "a"]
     ids = [tok.encode(prompts.render(CHAT, t)) for t in texts]
@@ -323,7 +323,7 @@ def _mlx_loss(head, batch, loss: str, reg: float) -> mx.array:
     ],
 )
 def test_numpy_head_gradients_match_mlx_autograd(checkpoint_factory, model_type, extra, loss, reg):
-    model = load_model(checkpoint_factory(model_type, seed=7, **extra), pack=False).model
+    model = load_model(checkpoint_factory(model_type, seed=7, **extra)).model
     mx.random.seed(3)
     head = build_head(model, list(range(0, 300, 3)))  # a 100-token draft vocabulary
     trainer = NumpyHead(head, model)
@@ -357,7 +357,7 @@ def test_numpy_head_gradients_match_mlx_autograd(checkpoint_factory, model_type,
 
 
 def test_dropout_gradients_match_finite_differences(tiny_checkpoint):
-    model = load_model(tiny_checkpoint, pack=False).model
+    model = load_model(tiny_checkpoint).model
     mx.random.seed(4)
     trainer = NumpyHead(build_head(model, list(range(0, 300, 3))), model)
     rng = np.random.default_rng(2)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runner.errors import UnsupportedArchitecture
+from protocol.errors import UnsupportedArchitecture
 from runner.models import llama
 
 _FAMILIES = {name: llama for name in llama.FAMILIES}

@@ -90,6 +90,7 @@ class Attention(nn.Module):
             self.head_dim, base=args.rope_theta, traditional=args.rope_traditional,
             scaling=args.rope_scaling,
         )  # fmt: skip
+        self.fast = False  # mx.fast attention instead of the composed kernel (set_kernels)
 
     def fuse(self) -> bool:
         """Compute q, k and v in one product (see ``fuse_linears``)."""
@@ -107,7 +108,7 @@ class Attention(nn.Module):
         )
 
     def queries_keys_values(
-        self, x: mx.array, cos: mx.array, sin: mx.array, rotation: mx.array
+        self, x: mx.array, rope: RopeTables
     ) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v ``[B, heads, L, head_dim]`` of ``x``, q and k rotated: everything before
         the cache (fixed shapes for a given row count, so it compiles; see ``compile_blocks``)."""
@@ -119,7 +120,6 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        rope = (cos, sin, rotation)
         return self.rope.apply(q, rope), self.rope.apply(k, rope), v
 
     def attend_cached(
@@ -127,9 +127,9 @@ class Attention(nn.Module):
     ) -> mx.array:
         """Append k, v to the cache and attend over everything cached: ``[B, heads, L, dim]``."""
         k, v = cache.update_and_fetch(k, v)
-        if mask is None or isinstance(mask, str) or mask.ndim == 2:
+        if not self.fast and (mask is None or isinstance(mask, str) or mask.ndim == 2):
             return self._attend(q, k, v, mask)
-        # A per-sequence mask (left-padded batches).
+        # The fused kernel (a GPU), or a per-sequence mask (left-padded batches).
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
     def output(self, attended: mx.array) -> mx.array:
@@ -137,10 +137,10 @@ class Attention(nn.Module):
         return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Mask) -> mx.array:
-        """Grouped-query attention in five ops. On CPU ``mx.fast.scaled_dot_product_attention``
-        falls back to a longer composition (and builds its causal mask in every layer), which
-        costs ~10% of a decode step on SmolLM2. ``mask``: None, "causal" or an additive
-        ``[L, T]`` array shared by all layers of a forward."""
+        """Grouped-query attention in five ops, the composed kernel: on the CPU
+        ``mx.fast.scaled_dot_product_attention`` falls back to a longer composition that also
+        builds its causal mask in every layer. ``mask``: None, "causal" or an additive ``[L, T]``
+        array shared by all layers of a forward."""
         batch, heads, length, dim = q.shape
         groups, keys = self.n_kv_heads, k.shape[2]
         per_group = heads // groups
@@ -207,10 +207,8 @@ class DecoderLayer(nn.Module):
         q, k, v = before(x, *rope)
         return after(x, self.self_attn.attend_cached(q, k, v, mask, cache))
 
-    def before_cache(
-        self, x: mx.array, cos: mx.array, sin: mx.array, rotation: mx.array
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        return self.self_attn.queries_keys_values(self.input_layernorm(x), cos, sin, rotation)
+    def before_cache(self, x: mx.array, *rope: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.queries_keys_values(self.input_layernorm(x), rope)
 
     def after_attention(self, x: mx.array, attended: mx.array) -> mx.array:
         h = x + self.self_attn.output(attended)
@@ -242,8 +240,8 @@ class CompiledBlock:
 
 def compile_blocks(module: nn.Module) -> int:
     """Compile the fixed-shape parts of every block below ``module`` (see ``DecoderLayer``);
-    return how many blocks. On this CPU a one-row forward of SmolLM2-135M takes 0.75-0.86x
-    the time (fused elementwise kernels, ~40% less graph building); see the README."""
+    return how many blocks. A compiled part replays its graph without Python graph building
+    and MLX fuses its elementwise ops (scripts/bench_forward.py measures the gain)."""
     count = 0
     for _, child in module.named_modules():
         if isinstance(child, DecoderLayer):
@@ -262,10 +260,18 @@ def uncompile_blocks(module: nn.Module) -> int:
     return count
 
 
+def set_kernels(module: nn.Module, fast: bool) -> None:
+    """Attention and RoPE below ``module`` through ``mx.fast`` (``fast``) or the composed
+    kernels; both compute the same values (tests compare them)."""
+    for _, child in module.named_modules():
+        if isinstance(child, Attention):
+            child.fast = fast
+            child.rope.fast = fast
+
+
 def fuse_projections(module: nn.Module) -> int:
     """Fuse the packed q/k/v and gate/up projections of every block below ``module``; return
-    how many products were fused. On this CPU a one-row forward of SmolLM2-135M runs ~7%
-    faster (fewer, larger BLAS calls), verify rows a few percent; see the README."""
+    how many products were fused: fewer, larger BLAS calls (scripts/bench_forward.py)."""
     return sum(
         child.fuse() for _, child in module.named_modules() if isinstance(child, Attention | MLP)
     )
@@ -324,8 +330,11 @@ class Model(nn.Module):
         """
         x = self.model.embed_tokens(tokens)
         offset, length = caches[0].offset, tokens.shape[1]
-        if mask is None:
-            mask = causal_mask(offset, length, x.dtype)
+        if mask is None and length > 1:
+            # The fused kernel takes "causal" (lower-right aligned); the composed one adds a
+            # mask built once for every layer.
+            fast = self.model.layers[0].self_attn.fast
+            mask = "causal" if fast else causal_mask(offset, length, x.dtype)
         rope = self.model.layers[0].self_attn.rope.tables(offset, length, x.dtype)
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x = layer(x, mask, cache, rope)

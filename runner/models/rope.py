@@ -14,6 +14,11 @@ class RoPE(nn.Module):
 
     ``traditional=True`` rotates adjacent pairs (GGUF llama weights, whose Q/K rows llama.cpp
     permuted for that form); ``False`` rotates the two halves (Hugging Face layout).
+
+    Two kernels compute the same rotation (``fast``, set by ``runner.device``): the composed
+    one builds cos/sin tables once per forward and applies them with one small matmul (on the
+    CPU ``mx.fast.rope`` falls back to many small ops per call); ``mx.fast.rope`` is fused on a
+    GPU. Either way :meth:`tables` gives what :meth:`apply` needs for one forward.
     """
 
     def __init__(
@@ -47,12 +52,15 @@ class RoPE(nn.Module):
             exps = np.arange(0, dims, 2, dtype=np.float64) / dims
             self._period_table = mx.array((base**exps).astype(np.float32))
         self._rotation = rotation_matrix(dims, traditional)
+        self.fast = False
 
     def tables(self, offset: int, length: int, dtype: mx.Dtype = mx.float32) -> RopeTables:
-        """cos and sin ``[length, dims]`` for positions ``offset..offset+length-1``, laid out
-        for :meth:`apply`, and the rotation, all in the activations' dtype. One forward computes
-        them once and shares them across layers (``mx.fast.rope`` on CPU rebuilds them in ~15
-        small ops on every call, about 12% of a decode step on SmolLM2)."""
+        """What :meth:`apply` needs for positions ``offset..offset+length-1``: composed, cos and
+        sin ``[length, dims]`` and the rotation in the activations' dtype (one forward computes
+        them once for every layer); fast, the offset as an array (so compiled blocks do not
+        retrace per position)."""
+        if self.fast:
+            return (mx.array(offset, dtype=mx.int32),)
         pos = mx.arange(offset, offset + length, dtype=mx.float32) * self.scale
         angles = pos[:, None] / self._period_table[None, :]
         if self.traditional:
@@ -63,8 +71,15 @@ class RoPE(nn.Module):
         return mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype), rotation
 
     def apply(self, x: mx.array, tables: RopeTables) -> mx.array:
-        """Rotate ``x`` ``[..., length, dims]`` by ``tables``: ``x cos + rot(x) sin``, where
-        ``rot`` is a constant signed permutation (one small matmul)."""
+        """Rotate ``x`` ``[..., length, dims]`` by ``tables``: composed, ``x cos + rot(x) sin``
+        with ``rot`` a constant signed permutation (one small matmul)."""
+        if len(tables) == 1:
+            freqs = self._freqs
+            return mx.fast.rope(
+                x, self.dims, traditional=self.traditional,
+                base=None if freqs is not None else self.base, scale=self.scale,
+                offset=tables[0], freqs=freqs,
+            )  # fmt: skip
         cos, sin, rotation = tables
         return x * cos + (x @ rotation) * sin
 
@@ -72,7 +87,8 @@ class RoPE(nn.Module):
         return self.apply(x, self.tables(offset, x.shape[-2], x.dtype))
 
 
-RopeTables = tuple[mx.array, mx.array, mx.array]  # cos, sin, rotation
+# Composed: (cos, sin, rotation); fast: (offset,).
+RopeTables = tuple[mx.array, ...]
 
 
 def rotation_matrix(dims: int, traditional: bool) -> mx.array:

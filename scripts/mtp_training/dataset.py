@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
-import multiprocessing
 import os
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -105,74 +103,6 @@ def save_batch(path: str, seqs) -> None:
         temperature=np.array([s.temperature for s in seqs], dtype=np.float32),
     )
     os.replace(tmp, path)
-
-
-def generate_worker(work_dir: str, worker: int, workers: int, log_every: float = 60.0) -> None:
-    """Generate this worker's share of the plan's missing batches (runs in a child process)."""
-    import runner  # noqa: F401  (OpenBLAS before mlx)
-    from runner.loader import load_model
-
-    from .generate import generate_batch
-    from .npmodel import NumpyLlama
-
-    batches, settings = read_plan(work_dir)
-    todo = [
-        i
-        for i in range(len(batches))
-        if i % workers == worker and not os.path.exists(batch_path(work_dir, i))
-    ]
-    if not todo:
-        return
-    loaded = load_model(settings.target, pack=False)
-    eos = set(loaded.tokenizer.eos_ids)
-    target = NumpyLlama(loaded.model)
-    del loaded
-    start, made, last = time.time(), 0, 0.0
-    for n, i in enumerate(todo):
-        jobs = batches[i]
-        seqs = generate_batch(
-            target,
-            [j.tokens for j in jobs],
-            [j.temperature for j in jobs],
-            prompt_ids=[j.prompt_index for j in jobs],
-            max_new_tokens=settings.max_new_tokens,
-            eos_ids=eos,
-            seed=settings.seed * 100003 + i,
-            top_k=settings.top_k,
-            top_p=settings.top_p,
-        )
-        save_batch(batch_path(work_dir, i), seqs)
-        made += sum(s.answer_len for s in seqs)
-        now = time.time()
-        if now - last >= log_every or n == len(todo) - 1:
-            last = now
-            rate = made / max(now - start, 1e-9)
-            print(
-                f"[gen w{worker}] batch {n + 1}/{len(todo)}  answer tokens {made}  "
-                f"{rate:.1f} tok/s",
-                flush=True,
-            )
-
-
-def run_generation(work_dir: str, workers: int) -> float:
-    """Fill the cache with ``workers`` processes (one BLAS thread each); return seconds."""
-    start = time.time()
-    if workers <= 1:
-        generate_worker(work_dir, 0, 1)
-        return time.time() - start
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=generate_worker, args=(work_dir, w, workers)) for w in range(workers)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    failed = [p.exitcode for p in procs if p.exitcode != 0]
-    if failed:
-        raise SystemExit(f"generation worker failed (exit codes {failed})")
-    return time.time() - start
 
 
 @dataclass

@@ -5,7 +5,7 @@
                           mtp.layers.0.<decoder layer>, mtp.norm.weight (float16),
                           mtp.draft_vocab (int32 [Vd])
 
-The format is drafting/load.py's (its ``write_sidecar`` writes, runner.draft_loader reads).
+The format is drafting/load.py's (its ``write_sidecar`` writes, runner.heads reads).
 """
 
 from __future__ import annotations

@@ -242,7 +242,7 @@ def train_and_write(args, work_dir: str) -> dict | None:
     from runner.loader import load_model
 
     t0 = time.time()
-    loaded = load_model(args.target, pack=False)
+    loaded = load_model(args.target)
     model = loaded.model
     seqs = dataset.load_sequences(work_dir, partial=args.partial)
     train_seqs = [s for s in seqs if not s.heldout]
@@ -250,7 +250,7 @@ def train_and_write(args, work_dir: str) -> dict | None:
     vocab_size = model.args.vocab_size
     start_head = None
     if args.init_head:  # continue training a written head, on its own draft vocabulary
-        from runner.draft_loader import load_draft_head
+        from runner.heads import load_draft_head
 
         start_head, _ = load_draft_head(loaded, args.init_head)
         vocab = list(start_head.config.draft_vocab)

@@ -47,7 +47,7 @@ def head_args(default_model, tmp_path_factory) -> list[str]:
     from runner.loader import load_model
     from tests.heads import write_head
 
-    loaded = load_model(default_model, pack=False)
+    loaded = load_model(default_model)
     directory = write_head(str(tmp_path_factory.mktemp("random-head")), loaded)
     del loaded
     mx.clear_cache()

@@ -1,4 +1,5 @@
-"""Find and load the MTP draft head for a loaded target (runner-side glue for drafting.load).
+"""Find and build the MTP draft head for a loaded target (the runner's side of drafting.load:
+the head's decoder layer comes from the target's family).
 
 Where a head comes from, in order: an explicit ``--draft DIR`` sidecar; a head inside the
 target checkpoint (``LoadedModel.extra_weights``, any of the three namings); a sidecar next to
@@ -18,9 +19,7 @@ from drafting.head import HeadConfig, MTPHead
 from drafting.load import (
     HIDDEN_FIRST,
     TARGET_SHAPE_KEYS,
-    HeadLoadError,
     Sidecar,
-    dequantize_mapped,
     detect_naming,
     is_sidecar,
     layer_overrides,
@@ -28,13 +27,14 @@ from drafting.load import (
     map_weights,
     read_sidecar,
 )
+from drafting.weights import dequantize
+from protocol.errors import DraftHeadError
 from runner import default_model
-from runner.errors import DraftHeadError
 from runner.loader import LoadedModel
-from runner.models.layers import Linear, pack_for_cpu
-from runner.models.llama import DecoderLayer, fuse_projections, private_arrays
+from runner.models.layers import Linear
+from runner.models.llama import DecoderLayer
 
-log = logging.getLogger("mtp_runner.draft_loader")
+log = logging.getLogger("mtp_runner.heads")
 
 # Targets whose checkpoints store RMSNorm gains zero-centred (applied as 1 + w); an inline
 # head there follows the same convention.
@@ -42,7 +42,7 @@ _ZERO_CENTRED_NORM_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def load_draft_head(
-    loaded: LoadedModel, draft_path: str | None = None, auto: bool = True
+    loaded: LoadedModel, draft_path: str | None = None
 ) -> tuple[MTPHead | None, str]:
     """The target's MTP head (or None) and a one-line description or reason for none.
 
@@ -53,8 +53,6 @@ def load_draft_head(
         path = _sidecar_dir(os.path.expanduser(draft_path))
         head = load_sidecar_head(loaded, path)
         return head, describe(head, f"sidecar {path}")
-    if not auto:
-        return None, "no draft head (speculation off)"
     try:
         head = load_embedded_head(loaded)
     except DraftHeadError as exc:
@@ -120,10 +118,7 @@ def load_embedded_head(loaded: LoadedModel) -> MTPHead | None:
 
 def load_sidecar_head(loaded: LoadedModel, directory: str) -> MTPHead:
     """Load a sidecar directory; checks it was made for a target of this shape."""
-    try:
-        sidecar = read_sidecar(directory)
-    except HeadLoadError as exc:
-        raise _error(exc) from None
+    sidecar = read_sidecar(directory)
     _check_target(loaded, sidecar)
     args = loaded.model.args
     config = HeadConfig(
@@ -165,52 +160,18 @@ def _build(
     norm_shift: bool,
     layers: int | None = None,
 ) -> MTPHead:
-    """Build the head's block from the target's family, load the mapped weights, pack."""
+    """Build the head's block from the target's family and load the mapped weights (in the
+    Hugging Face layout, like the target: ``runner.device.tune`` lays out both)."""
     model = loaded.model
-    try:
-        layers = layers or model.args.num_hidden_layers
-        mapped, origin = map_weights(weights, naming, layers)
-        if any(name.endswith(".scales") for name in mapped):
-            quant = loaded.config.get("quantization") or {}
-            dequantize_mapped(mapped, int(quant.get("group_size", 64)))
-        args = dataclasses.replace(model.args, **layer_overrides(mapped))
-        head = MTPHead(config, DecoderLayer(args), model.embed, model.output_weight)
-        load_head_weights(
-            head,
-            mapped,
-            origin,
-            naming=naming,
-            num_hidden_layers=layers,
-            path=path,
-            dtype=loaded.dtype,
-            norm_shift=norm_shift,
-        )
-    except HeadLoadError as exc:
-        raise _error(exc) from None
-    if _target_is_packed(model):
-        pack_head(head)
+    layers = layers or model.args.num_hidden_layers
+    mapped, origin = map_weights(weights, naming, layers)
+    if any(name.endswith(".scales") for name in mapped):
+        quant = loaded.config.get("quantization") or {}
+        dequantize(mapped, int(quant.get("group_size", 64)))
+    args = dataclasses.replace(model.args, **layer_overrides(mapped))
+    head = MTPHead(config, DecoderLayer(args), model.embed, model.output_weight, linear=Linear)
+    load_head_weights(
+        head, mapped, origin, naming=naming, num_hidden_layers=layers, path=path,
+        dtype=loaded.dtype, norm_shift=norm_shift,
+    )  # fmt: skip
     return head
-
-
-def pack_head(head: MTPHead) -> None:
-    """Store the head's dense weights transposed like the target's (runner.models.layers).
-
-    fc is a plain ``nn.Linear`` in the head module; swap in the packable Linear so one-row
-    draft steps skip the transpose too (576x1152 on this CPU: 219 -> 179 us per row).
-    """
-    fc = head.fc
-    if type(fc) is not Linear and "weight" in fc:
-        packed = Linear(fc.weight.shape[1], fc.weight.shape[0], bias="bias" in fc)
-        packed.update(fc.parameters())
-        head.fc = packed
-    pack_for_cpu(head)
-    fuse_projections(head)
-    mx.eval([v for _, v in private_arrays(head)], head.parameters())
-
-
-def _target_is_packed(model) -> bool:
-    return model.layers[0].self_attn.q_proj.get("_wt") is not None
-
-
-def _error(exc: HeadLoadError) -> DraftHeadError:
-    return DraftHeadError(exc.message, path=exc.path, tensor=exc.tensor)

@@ -1,36 +1,25 @@
-"""Speculative decoding on MLX: the real seam under ``drafting.rounds.RoundDriver`` and the
-decode loop that moves between speculative rounds and the pipelined plain decoder.
+"""The MLX implementation of the round driver's seam (``drafting.rounds.RoundOps``).
 
-The seam keeps the request's penalty history in step with what the target caches hold: ``x``
-enters it when a round feeds it, the retained drafts when the round rewinds to them.
+It drives any target with the ``runner.models`` interface (``hidden(ids, caches)``,
+``unembed(hidden)``) over attention caches, the request's draft session and its sampler, and
+keeps the sampler's penalty history in step with what the target caches hold: ``x`` enters it
+when a round feeds it, the retained drafts when the round rewinds to them.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 
 from drafting.accept import greedy_decision, speculate
-from drafting.rounds import (
-    HeadError,
-    HostError,
-    Replay,
-    RoundDriver,
-    RoundError,
-    TargetError,
-    Verification,
-)
+from drafting.rounds import HeadError, HostError, Replay, TargetError, Verification
 from drafting.session import DraftSession
-from runner.decoder import Outcome, PlainLoop, Sampled
-
-log = logging.getLogger("mtp_runner.speculative")
 
 
 class MlxRoundOps:
-    """``RoundOps`` over a Llama-family target, its KV caches, a draft session and the
-    request's sampler. Attention caches roll back by offset, so ``capture`` is a position."""
+    """``RoundOps`` over a target model, its KV caches, a draft session and the request's
+    sampler. Attention caches roll back by offset, so ``capture`` is a position."""
 
     def __init__(self, model, caches: list, draft: DraftSession | None, sampler) -> None:
         self.model = model
@@ -182,66 +171,3 @@ class MlxRoundOps:
         except Exception:
             return True
         return False
-
-
-def guarded(draft: DraftSession | None, method: str) -> Callable | None:
-    """``draft.<method>`` that discards the head instead of failing the request."""
-    if draft is None:
-        return None
-
-    def call(*args):
-        if draft.discarded:
-            return
-        try:
-            getattr(draft, method)(*args)
-        except Exception:
-            log.exception("draft head failed in %s; continuing without speculation", method)
-            draft.discard()
-
-    return call
-
-
-def decode_speculative(
-    loop: PlainLoop, driver: RoundDriver, seed: int, cancelled: Callable[[], bool]
-) -> Outcome:
-    """Decode with speculative rounds, parking in the pipelined plain decoder at depth 0.
-
-    ``cur`` is always the current token: sampled, not yet emitted, not yet fed; lazy while
-    the plain decoder has it in flight. Resuming speculation needs no extra forward: the
-    round starts from the plain decoder's in-flight sample.
-    """
-    fed = loop.fed
-    cur = loop.start(seed)
-    while True:
-        if cancelled():
-            return Outcome("cancelled", fed, loop.dec.read(cur))
-        if driver.plan().parked:
-            # One pipelined plain step, accounted as a depth-0 round.
-            outcome, cur, token, was_fed = loop.step(cur)
-            driver.parked_round(token, fed=was_fed)
-            if outcome is not None:
-                return outcome
-            continue
-        x = loop.read(cur)
-        before = len(driver.committed)
-        try:
-            end = driver.round(x)
-        except RoundError as error:
-            if not error.reusable:
-                raise
-            # The caches hold exactly the committed prefix: end this request only.
-            log.error("speculative round failed: %s", error)
-            fed.extend(driver.committed[before:])
-            return Outcome("error", fed, None, error=str(error))
-        fed.extend(driver.committed[before:])
-        loop.dec.position = driver.ops.position
-        if not end.finished:
-            cur = Sampled(mx.array([end.next], dtype=mx.int32), None)
-            continue
-        final = None
-        if len(driver.emitted) > len(driver.committed):
-            final = driver.emitted[len(driver.committed)]
-        return Outcome("cancelled" if end.reason == "cancel" else end.reason, fed, final)
-
-
-__all__ = ["MlxRoundOps", "RoundError", "decode_speculative", "guarded"]

@@ -1,0 +1,179 @@
+"""Speculation as one per-model object, and the per-request session it opens.
+
+``Speculation`` owns what lives as long as the loaded model: the MTP head, its draft KV cache
+(one more cache slot of the prefix cache) and the depth controller, which learns acceptance
+and round costs across requests. ``open`` starts a request's ``SpeculationSession`` before
+prefill: the draft session that sees every committed forward (so speculation can start or
+resume at any step without an extra forward), the request's counters, and the decode loop
+that moves between speculative rounds and the pipelined plain loop. The session closes on
+every exit path (``with``): the draft cache then rests level with the target, or the head is
+discarded when the request failed.
+
+Nothing a head does can fail a request: every call into the draft session is guarded, and a
+failure discards the head for the rest of the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from cache.kv import KVCache
+from cache.ledger import Ledger, Outcome
+from drafting.depth import DepthController, FixedDepth
+from drafting.head import MTPHead
+from drafting.mlx_ops import MlxRoundOps
+from drafting.rounds import RoundDriver, RoundError
+from drafting.session import DraftSession
+from drafting.stats import SpecStats
+
+log = logging.getLogger("mtp_runner.speculation")
+
+
+class PlainLoop(Protocol):
+    """What the decode loop needs from ``runner.decoder.PlainLoop``."""
+
+    ledger: Ledger
+    dec: Any  # the plain decoder: ``dec.read(cur)`` reads a sample without emitting it
+
+    @property
+    def fed(self) -> list[int]: ...
+
+    def start(self, seed: int) -> Any: ...
+
+    def step(self, cur: Any) -> Any: ...  # -> LoopStep(outcome, next)
+
+    def read(self, cur: Any) -> int: ...
+
+    def resume(self, token: int) -> Any: ...
+
+
+class Speculation:
+    """The MTP head of one loaded target, its draft cache and its depth controller.
+
+    ``fixed_depth`` drafts that many tokens every round instead of the adaptive depth
+    (benchmarks, tests); ``max_depth`` bounds the adaptive one.
+    """
+
+    def __init__(self, head: MTPHead, *, max_depth: int, fixed_depth: int | None = None) -> None:
+        self.head = head
+        self.cache = KVCache()
+        self.depth = DepthController(max_depth=max_depth)
+        self.fixed_depth = fixed_depth
+
+    def open(self, unembed: Callable[[mx.array], mx.array]) -> SpeculationSession:
+        """A request's session, opened before prefill (``unembed``: the target's output head)."""
+        return SpeculationSession(self, DraftSession(self.head, self.cache, unembed))
+
+    def status(self) -> dict:
+        """Plain values for the ``status`` frame."""
+        return {"speculation_depth": self.depth.scheduled, "speculation": self.depth.state()}
+
+
+class SpeculationSession:
+    """One request's speculation; use as a context manager so it closes on every exit path."""
+
+    def __init__(self, owner: Speculation, draft: DraftSession) -> None:
+        self.owner = owner
+        self.draft = draft
+        self.stats = SpecStats()
+        self.final: int | None = None  # the token after the last fed one, once known
+        self.on_commit = guarded(draft, "committed")  # for prefill and the plain decoder
+
+    def __enter__(self) -> SpeculationSession:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is not None:
+            self.draft.discard()  # the caches are being thrown away
+            return
+        if self.final is not None:
+            guarded(self.draft, "settle")(self.final)
+        guarded(self.draft, "close")()
+
+    def finish(self, outcome: Outcome) -> Outcome:
+        """Remember how generation ended: closing completes the last pair with
+        ``outcome.final`` so the draft cache rests level with the target."""
+        self.final = outcome.final
+        return outcome
+
+    def decode(
+        self,
+        loop: PlainLoop,
+        seed: int,
+        cancelled: Callable[[], bool],
+        *,
+        model,
+        caches: list,
+        sampler,
+        emit: Callable[[int], Any],
+        budget: int | None,
+        speculate: bool = True,
+    ) -> Outcome:
+        """Decode from ``seed`` (the last prompt token) with speculative rounds, parking in
+        the pipelined plain loop whenever the depth is 0; ``speculate`` False parks for good
+        (the draft cache still follows every committed forward)."""
+        fixed = self.owner.fixed_depth
+        if fixed is not None:
+            depth = FixedDepth(fixed if speculate else 0)
+        else:
+            depth = self.owner.depth.session(speculative=speculate)
+        ops = MlxRoundOps(model, caches, self.draft, sampler)
+        driver = RoundDriver(
+            ops, emit, cancelled, depth=depth, budget=budget, stats=self.stats,
+            ledger=loop.ledger,
+        )  # fmt: skip
+        return self.finish(_decode(loop, driver, seed, cancelled))
+
+
+def _decode(
+    loop: PlainLoop, driver: RoundDriver, seed: int, cancelled: Callable[[], bool]
+) -> Outcome:
+    """``cur`` is always the current token: sampled, not yet emitted, not yet fed; lazy while
+    the plain loop has it in flight. Resuming speculation needs no extra forward: the round
+    starts from the plain loop's in-flight sample."""
+    cur = loop.start(seed)
+    while True:
+        if cancelled():
+            return Outcome("cancelled", loop.fed, loop.dec.read(cur))
+        if driver.plan().parked:
+            step = loop.step(cur)  # one pipelined plain step, accounted as a depth-0 round
+            driver.parked_round()
+            if step.outcome is not None:
+                return step.outcome
+            cur = step.next
+            continue
+        try:
+            end = driver.round(loop.read(cur))
+        except RoundError as error:
+            if not error.reusable:
+                raise
+            # The caches hold exactly the committed prefix: end this request only.
+            log.error("speculative round failed: %s", error)
+            return Outcome("error", loop.fed, None, error=str(error))
+        if not end.finished:
+            cur = loop.resume(end.next)
+            continue
+        ledger = loop.ledger
+        final = None
+        if len(ledger.emitted) > len(ledger.committed):
+            final = ledger.emitted[len(ledger.committed)]
+        return Outcome("cancelled" if end.reason == "cancel" else end.reason, loop.fed, final)
+
+
+def guarded(draft: DraftSession, method: str) -> Callable:
+    """``draft.<method>`` that discards the head instead of failing the request."""
+
+    def call(*args):
+        if draft.discarded:
+            return
+        try:
+            getattr(draft, method)(*args)
+        except Exception:
+            log.exception("draft head failed in %s; continuing without speculation", method)
+            draft.discard()
+
+    return call

@@ -1,0 +1,101 @@
+"""Device tuning behind one door: how a loaded target (and its draft head) is laid out and run.
+
+``tune`` is the only code that changes a model's layout after loading, and it applies every
+step in the one order that is valid: weights first (packing, fused projections, the verify-row
+layout), compiled blocks last, because compiled parts keep the weights they traced. It returns
+a ``Tuning`` record; the engine reports it and nothing else probes a model for its layout.
+
+- CPU: dense weights stored transposed (``x @ Wt``: one-row products, the whole of a decode
+  step, skip a per-call transpose in the BLAS), q/k/v and gate/up fused into one product each,
+  an ``[out, in]`` copy of the o and down weights for verify rows where the BLAS runs them
+  faster that way (``blas.row_layout_pays``; only with a head), and the composed attention and
+  RoPE kernels (``mx.fast`` falls back to many small ops on the CPU).
+- GPU: the Hugging Face layout and ``mx.fast``'s fused attention and RoPE.
+- Both: each block's fixed-shape parts ``mx.compile``d for decode and verify rows.
+
+``scripts/bench_forward.py`` measures each choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from runner import blas
+from runner.models.layers import add_row_layout, pack_for_cpu
+from runner.models.llama import compile_blocks, fuse_projections, private_arrays, set_kernels
+
+LAYOUTS = ("auto", "hf", "packed")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What ``tune`` applied."""
+
+    device: str  # "cpu" | "gpu"
+    layout: str  # "hf" (as loaded) | "packed" (transposed, fused)
+    row_layout: bool  # the [out, in] copy of o and down for verify rows
+    compiled: bool
+    fast_kernels: bool  # mx.fast attention and RoPE, else the composed kernels
+
+    def describe(self) -> str:
+        parts = [self.device, f"{self.layout} weights"]
+        if self.row_layout:
+            parts.append("verify-row layout")
+        parts.append("compiled blocks" if self.compiled else "eager blocks")
+        parts.append("mx.fast kernels" if self.fast_kernels else "composed kernels")
+        return ", ".join(parts)
+
+
+def on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def tune(
+    model: nn.Module,
+    head: nn.Module | None = None,
+    *,
+    layout: str = "auto",
+    row_layout: bool | None = None,
+    compile: bool = True,
+    fast_kernels: bool | None = None,
+) -> Tuning:
+    """Lay out and compile ``model`` (a ``runner.models`` model) and ``head`` (its MTP head)
+    for the default device, once, right after loading; return what was applied.
+
+    ``layout``: "auto" (packed on the CPU, the Hugging Face layout on a GPU), "hf" or
+    "packed". ``row_layout`` None: where the BLAS gains from it. ``fast_kernels`` None:
+    on a GPU only (tests force either path on the CPU).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    cpu = on_cpu()
+    if layout == "auto":
+        layout = "packed" if cpu else "hf"
+    fast = (not cpu) if fast_kernels is None else fast_kernels
+    parts = [model] + ([head] if head is not None else [])
+    for part in parts:
+        set_kernels(part, fast)
+    if layout == "packed":
+        model.pack_for_cpu()
+        if head is not None:
+            pack_for_cpu(head)
+            fuse_projections(head)
+            mx.eval([v for _, v in private_arrays(head)], head.parameters())
+    rows = False
+    if head is not None and layout == "packed":
+        rows = blas.row_layout_pays() if row_layout is None else row_layout
+        if rows:
+            add_row_layout(model)
+    if compile:
+        for part in parts:
+            compile_blocks(part)
+    return Tuning(
+        device="cpu" if cpu else "gpu",
+        layout=layout,
+        row_layout=rows,
+        compiled=compile,
+        fast_kernels=fast,
+    )
