@@ -3,11 +3,34 @@
 //
 //   node examples/host.mjs --model path/to/model.gguf --prompt "Why is the sky blue?"
 //
-// Flags: --model PATH, --prompt TEXT, --num-predict N, --temperature T, --python EXE
-// (default: $PYTHON or python3). Anything after `--` goes to the runner unchanged.
+// Flags: --model PATH, --prompt TEXT, --num-predict N, --temperature T, --python EXE.
+// Anything after `--` goes to the runner unchanged.
+//
+// The runner it starts, first found: `--python EXE` (EXE -m runner); $MTP_RUNNER_CMD, a
+// command line split at spaces and used as is (another runner, or this one with its own flags);
+// this repository's .venv (.venv/bin/python, or .venv\Scripts\python.exe on Windows), found
+// from this file's location, so it works from any directory after ./scripts/bootstrap.sh;
+// else python3 on the PATH (which needs the package and its dependencies installed).
 
 import { spawn } from "node:child_process";
+import { existsSync } from "node:fs";
 import { createInterface } from "node:readline";
+import { fileURLToPath } from "node:url";
+
+const REPO = new URL("..", import.meta.url);
+const VENV_PYTHONS = [".venv/bin/python", ".venv/Scripts/python.exe"];
+
+// [executable, ...arguments] that start the runner (see the top of this file).
+function runnerCommand(args) {
+  const own = (python) => [python, "-m", "runner", "--log-level", "warning"];
+  if (args.python) return own(args.python);
+  if (process.env.MTP_RUNNER_CMD) return process.env.MTP_RUNNER_CMD.trim().split(/\s+/);
+  for (const relative of VENV_PYTHONS) {
+    const python = fileURLToPath(new URL(relative, REPO));
+    if (existsSync(python)) return own(python);
+  }
+  return own("python3");
+}
 
 function parseArgs(argv) {
   const args = { prompt: "What is the capital of France? Answer in one sentence.", numPredict: 256 };
@@ -32,24 +55,34 @@ const chatml = (question) =>
 
 async function main() {
   const args = parseArgs(process.argv.slice(2));
-  const python = args.python ?? process.env.PYTHON ?? "python3";
-  const runnerArgs = ["-m", "runner", "--log-level", "warning", ...args.runnerArgs];
+  const [command, ...runnerArgs] = runnerCommand(args);
+  runnerArgs.push(...args.runnerArgs);
   if (args.model) runnerArgs.push("--model", args.model);
+  process.stderr.write(`runner: ${[command, ...runnerArgs].join(" ")}\n`);
 
   // Logs (stderr) pass straight through; stdout carries nothing but frames.
-  const child = spawn(python, runnerArgs, { stdio: ["pipe", "pipe", "inherit"] });
-  const exited = new Promise((resolve) => child.on("exit", (code) => resolve(code ?? 1)));
+  const child = spawn(command, runnerArgs, { stdio: ["pipe", "pipe", "inherit"] });
+  const exited = new Promise((resolve) => {
+    child.on("exit", (code) => resolve(code ?? 1));
+    child.on("error", (err) => {
+      // Not started (no such executable): stdout closes without frames, and this ends the run.
+      process.stderr.write(`could not start the runner ${command}: ${err.message}\n`);
+      resolve(1);
+    });
+  });
   const send = (request) => child.stdin.write(JSON.stringify(request) + "\n");
 
   const options = { num_predict: args.numPredict };
   if (args.temperature !== undefined) options.temperature = args.temperature;
 
   let failed = false;
+  let ready = false;
   for await (const line of createInterface({ input: child.stdout })) {
     const frame = JSON.parse(line);
     if (frame.type === "progress") {
       process.stderr.write(`loading: ${frame.stage} ${frame.done}/${frame.total}\n`);
     } else if (frame.type === "ready") {
+      ready = true;
       process.stderr.write(`model ${frame.model} ready (MTP: ${frame.mtp_detail})\n`);
       send({ type: "completion", id: "host-1", prompt: chatml(args.prompt), options });
     } else if (frame.type === "token" && frame.id === "host-1") {
@@ -72,6 +105,7 @@ async function main() {
     }
   }
   const code = await exited;
+  if (!ready) process.stderr.write(`the runner exited (code ${code}) before it was ready\n`);
   process.exitCode = failed || code !== 0 ? 1 : 0;
 }
 

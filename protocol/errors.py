@@ -66,6 +66,8 @@ class ModelFileMissing(LoadError):
 
 
 class CorruptModelFile(LoadError):
+    """Present but unreadable: truncated safetensors, bad JSON, a GGUF mx.load refuses."""
+
     code = CORRUPT_MODEL_FILE
 
 
@@ -74,6 +76,8 @@ class UnsupportedArchitecture(LoadError):
 
 
 class TensorShapeMismatch(LoadError):
+    """A tensor whose shape is not the one the config implies (the message gives both)."""
+
     code = TENSOR_SHAPE_MISMATCH
 
 
@@ -82,6 +86,9 @@ class MissingTensor(LoadError):
 
 
 class TokenizerMissing(LoadError):
+    """No ``tokenizer.json`` beside the weights (and no tokenizer in a GGUF file's metadata
+    is reported as ``UnsupportedTokenizer``)."""
+
     code = TOKENIZER_MISSING
 
 

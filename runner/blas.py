@@ -12,11 +12,11 @@ RTLD_GLOBAL first makes the dynamic linker resolve MLX's ``cblas_sgemm`` to it. 
   ``MTP_RUNNER_OPENBLAS``; ``OPENBLAS_CORETYPE`` is named when the user has not.
 - ``bundled``: MLX's own (also ``MTP_RUNNER_NO_OPENBLAS=1``).
 
-The BLAS must be loaded before MLX's library is, whatever imports MLX first: ``runner``'s
-``__init__`` installs :func:`install_hook`, an import hook that runs :func:`preload` just
-before ``mlx`` is first imported, and ``bootstrap.sh`` adds a ``.pth`` line to the project's
-venv that imports ``runner`` at interpreter start, so no script, test or entry point has to
-import in a special order. This module must not import mlx.
+The BLAS must be loaded before MLX's library is, whatever imports MLX first: importing
+``runner`` installs :func:`install_hook`, an import hook that runs :func:`preload` just before
+``mlx`` is first imported, and ``bootstrap.sh`` puts the same hook in a ``.pth`` line of the
+project's venv (it imports nothing of the runner until mlx is imported), so no script, test or
+entry point has to import in a special order. This module must not import mlx.
 """
 
 from __future__ import annotations

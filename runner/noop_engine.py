@@ -12,17 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol import Completion, Done, Token
+from protocol.codes import BAD_REQUEST, CONTEXT_OVERFLOW
+from protocol.errors import CodedError
 
 VOCAB_SIZE = 256
 CONTEXT_LENGTH = 4096
 DEFAULT_NUM_PREDICT = 16
-
-
-class NoopRequestError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass
@@ -68,13 +63,13 @@ class NoopEngine:
         else:
             prompt = self.tokenize(request.prompt)
         if not prompt:
-            raise NoopRequestError("bad_request", "prompt: empty prompt")
+            raise CodedError("prompt: empty prompt", code=BAD_REQUEST)
         if any(t >= VOCAB_SIZE for t in prompt):
-            raise NoopRequestError("bad_request", f"tokens: ids must be below {VOCAB_SIZE}")
+            raise CodedError(f"tokens: ids must be below {VOCAB_SIZE}", code=BAD_REQUEST)
         if len(prompt) >= CONTEXT_LENGTH:
-            raise NoopRequestError(
-                "context_overflow",
+            raise CodedError(
                 f"prompt is {len(prompt)} tokens but the context holds {CONTEXT_LENGTH}",
+                code=CONTEXT_OVERFLOW,
             )
         num_predict = request.options.num_predict if request.options else None
         limit = DEFAULT_NUM_PREDICT if num_predict is None else num_predict

@@ -28,7 +28,6 @@ import protocol
 from protocol import (
     BAD_REQUEST,
     DUPLICATE_ID,
-    INTERNAL,
     LINE_TOO_LONG,
     LOAD_ERROR,
     OVERLOADED,
@@ -49,6 +48,7 @@ from protocol import (
     Tokenize,
     TokensFrame,
 )
+from protocol.errors import CodedError, error_frame
 
 log = logging.getLogger("mtp_runner.server")
 
@@ -225,10 +225,9 @@ class Server:
             self.engine = load(self._progress)
         except Exception as exc:  # any load failure is a frame and exit 1, never a traceback
             self.load_failed = True
-            code = getattr(exc, "code", None)
-            code = code if isinstance(code, str) and code else LOAD_ERROR
             log.error("model failed to load: %s", exc)
             log.debug("load failure", exc_info=True)
+            code = exc.code if isinstance(exc, CodedError) else LOAD_ERROR
             self.writer.write(Error(None, code, str(exc) or type(exc).__name__))
             return
         with self._lock:
@@ -274,7 +273,7 @@ class Server:
         except Exception as exc:  # generation failures are frames; the runner keeps serving
             log.error("completion %s failed: %s", request_id, exc, exc_info=True)
             if not job.finished:
-                self._emit(job, Error(request_id, INTERNAL, f"{type(exc).__name__}: {exc}"))
+                self._emit(job, error_frame(request_id, exc))
                 self._emit(job, Done(request_id, "error"))
         finally:
             with self._lock:
@@ -322,7 +321,7 @@ class Server:
             return self.handle_line(line)
         except Exception as exc:  # a bug answering one line must not stop the reader
             log.error("failed to answer a request line: %s", exc, exc_info=True)
-            self.writer.write(Error(None, INTERNAL, f"{type(exc).__name__}: {exc}"))
+            self.writer.write(error_frame(None, exc))
             return True
 
     def handle_line(self, line: bytes) -> bool:
@@ -362,7 +361,7 @@ class Server:
         try:
             prepared = self.engine.prepare(request)
         except Exception as exc:
-            self.writer.write(refusal_frame(request_id, exc))
+            self.writer.write(error_frame(request_id, exc))
             return
         job = Job(request, prepared)
         with self._lock:
@@ -406,7 +405,7 @@ class Server:
                 frame = self._status(request)
         except Exception as exc:
             log.error("%s %s failed: %s", type(request).__name__, request.id, exc, exc_info=True)
-            frame = refusal_frame(request.id, exc)
+            frame = error_frame(request.id, exc)
         self.writer.write(frame)
 
     def _detokenize(self, request: Detokenize) -> protocol.Frame:
@@ -432,11 +431,3 @@ class Server:
 def cancelled_done(request_id: str) -> Done:
     """The done frame of a completion cancelled while it was still queued: nothing ran."""
     return Done(request_id, "cancelled")
-
-
-def refusal_frame(request_id: str, exc: Exception) -> Error:
-    """An engine's RequestError (code + message) as an error frame; anything else is internal."""
-    code = getattr(exc, "code", None)
-    if isinstance(code, str) and code:
-        return Error(request_id, code, str(getattr(exc, "message", exc)))
-    return Error(request_id, INTERNAL, f"{type(exc).__name__}: {exc}")

@@ -43,8 +43,9 @@ CONFIGS = {
 
 
 def worker(args: argparse.Namespace) -> None:
-    import runner  # noqa: I001  (first: the BLAS preload must happen before mlx is imported)
     import mlx.core as mx
+
+    import runner
     import runner.device
     from runner.loader import load_model
 

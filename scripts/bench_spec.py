@@ -24,7 +24,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import runner  # noqa: E402,F401  (OpenBLAS before mlx)
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 PROMPTS = [
@@ -145,7 +144,7 @@ def main() -> int:
         # come from the controller, which knows each round's depth (the histogram does not:
         # a depth-1 round that accepted its draft never tried a second one).
         first = 1.0 - histogram[0] / rounds if rounds else None
-        position = [first, *engine.depth.state()["acceptance"][1:]]
+        position = [first, *engine.speculation.depth.state()["acceptance"][1:]]
         while position and position[-1] is None:
             position.pop()
         result = {
@@ -160,7 +159,7 @@ def main() -> int:
             "accepted_per_round_histogram": histogram,
             "acceptance_by_position": position,
             "final_depths": depths,
-            "controller": engine.depth.state(),
+            "controller": engine.speculation.depth.state(),
             "seconds": time.time() - t0,
             "prompts": per_prompt,
         }

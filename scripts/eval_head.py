@@ -25,8 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_common as bc  # noqa: E402
 
-import runner  # noqa: E402,F401  (OpenBLAS before mlx)
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     from mtp_training import prompts

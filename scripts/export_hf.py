@@ -17,7 +17,6 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import runner  # noqa: E402,F401  (preloads OpenBLAS before mlx)
 
 # Written last: its presence (with a matching source) means the export is complete.
 STAMP = "export_source.json"

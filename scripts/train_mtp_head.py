@@ -32,8 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mtp_training import dataset, prompts  # noqa: E402
 from mtp_training import generate as generation  # noqa: E402
 
-import runner  # noqa: E402,F401  (OpenBLAS before mlx)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)

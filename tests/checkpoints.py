@@ -15,7 +15,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-import runner  # noqa: F401  (BLAS preload before anything else touches mlx)
 from runner.models import build_model
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]

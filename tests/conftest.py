@@ -1,4 +1,4 @@
-"""Shared fixtures. Importing ``runner`` first loads OpenBLAS before mlx (see runner.blas)."""
+"""Shared fixtures."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-import runner  # noqa: F401
 from runner.default_model import default_model_path, is_installed
 from tests.checkpoints import write_checkpoint
 

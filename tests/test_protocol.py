@@ -399,9 +399,9 @@ def test_frames_after_done_are_dropped():
 class RefusingEngine(NoopEngine):
     def prepare(self, request):
         if request.id == "typed":
-            from runner.noop_engine import NoopRequestError
+            from protocol.errors import CodedError
 
-            raise NoopRequestError("context_overflow", "prompt is 9 tokens but the context holds 8")
+            raise CodedError("prompt is 9 tokens but the context holds 8", code="context_overflow")
         if request.id == "bug":
             raise KeyError("oops")
         return super().prepare(request)
@@ -467,8 +467,7 @@ def test_queue_limit_refuses_with_overloaded():
 
 
 def test_load_failure_is_one_error_frame_and_status_one():
-    class Missing(Exception):
-        code = "model_file_missing"
+    from protocol.errors import ModelFileMissing as Missing
 
     out = RecordingStream()
     server = Server(FrameWriter(out))

@@ -1,5 +1,5 @@
-"""The round driver on the deterministic fake seam: one test per applicable behaviour of
-emelex's round-driver suite, failure rows, RNG order, stats, and the greedy equivalence
+"""The round driver on the deterministic fake seam: one test per round transition and failure
+row, RNG order, stats, and the greedy equivalence
 property (speculation on == off, token for token and in final cache state)."""
 
 from __future__ import annotations
