@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--weight-layout",
-        choices=("auto", "hf", "packed"),  # runner.device.LAYOUTS (mlx is not imported here)
+        choices=("auto", "hf", "packed", "panels"),  # runner.device.LAYOUTS (no mlx import here)
         default="auto",
         help="how weights are stored for the device: packed (transposed, q/k/v and gate/up "
         "fused: fast one-row products on a CPU BLAS) or hf (as loaded); auto: packed on the "

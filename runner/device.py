@@ -23,11 +23,17 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from runner import blas
+from runner import blas, native
 from runner.models.layers import add_row_layout, pack_for_cpu
-from runner.models.llama import compile_blocks, fuse_projections, private_arrays, set_kernels
+from runner.models.llama import (
+    compile_blocks,
+    fuse_projections,
+    private_arrays,
+    set_kernels,
+    to_panel_layout,
+)
 
-LAYOUTS = ("auto", "hf", "packed")
+LAYOUTS = ("auto", "hf", "packed", "panels")
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,7 @@ class Tuning:
     """What ``tune`` applied."""
 
     device: str  # "cpu" | "gpu"
-    layout: str  # "hf" (as loaded) | "packed" (transposed, fused)
+    layout: str  # "hf" (as loaded) | "packed" (transposed, fused) | "panels" (runner.native)
     row_layout: bool  # the [out, in] copy of o and down for verify rows
     compiled: bool
     fast_kernels: bool  # mx.fast attention and RoPE, else the composed kernels
@@ -65,25 +71,31 @@ def tune(
     """Lay out and compile ``model`` (a ``runner.models`` model) and ``head`` (its MTP head)
     for the default device, once, right after loading; return what was applied.
 
-    ``layout``: "auto" (packed on the CPU, the Hugging Face layout on a GPU), "hf" or
-    "packed". ``row_layout`` None: where the BLAS gains from it. ``fast_kernels`` None:
-    on a GPU only (tests force either path on the CPU).
+    ``layout``: "auto" (packed on the CPU, the Hugging Face layout on a GPU), "hf", "packed"
+    or "panels" (packed, then every product whose width allows it in the native few-row
+    product's panels). ``row_layout`` None: where the BLAS gains from it. ``fast_kernels``
+    None: on a GPU only (tests force either path on the CPU).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     cpu = on_cpu()
     if layout == "auto":
         layout = "packed" if cpu else "hf"
+    if layout == "panels" and not (cpu and native.available()):
+        raise ValueError(f"the panel layout needs runner.native on the CPU: {native.reason()}")
     fast = (not cpu) if fast_kernels is None else fast_kernels
     parts = [model] + ([head] if head is not None else [])
     for part in parts:
         set_kernels(part, fast)
-    if layout == "packed":
+    if layout in ("packed", "panels"):
         model.pack_for_cpu()
         if head is not None:
             pack_for_cpu(head)
             fuse_projections(head)
             mx.eval([v for _, v in private_arrays(head)], head.parameters())
+    if layout == "panels":
+        for part in parts:
+            to_panel_layout(part)
     rows = False
     if head is not None and layout == "packed":
         rows = blas.row_layout_pays() if row_layout is None else row_layout

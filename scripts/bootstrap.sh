@@ -40,9 +40,13 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
      && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
     apt_install libopenblas0-pthread "float32 matmuls will be slow"
   fi
-  # MLX JIT-compiles the fused CPU kernels of compiled blocks with g++ (runner.models.llama).
+  # MLX JIT-compiles the fused CPU kernels of compiled blocks with g++ (runner.models.llama);
+  # g++ and cmake build the native few-row product (runner.native).
   if ! command -v g++ >/dev/null 2>&1; then
-    apt_install g++ "compiled blocks will run unfused (slower decoding)"
+    apt_install g++ "compiled blocks will run unfused and runner.native cannot be built"
+  fi
+  if [ -z "$mlx_cuda" ] && ! command -v cmake >/dev/null 2>&1; then
+    apt_install cmake "runner.native cannot be built (verify rows cost more)"
   fi
 fi
 
@@ -135,5 +139,17 @@ if [ -z "$mlx_cuda" ] && [ "$(uname -s)" = "Linux" ] && [ "$(uname -m)" = "x86_6
   echo "bootstrap: installing oneMKL (mkl wheel, ~220 MB)" >&2
   .venv/bin/python -m pip install -q --no-deps "mkl==2026.2.0" \
     || echo "bootstrap: warning: could not install mkl; the runner will use OpenBLAS" >&2
+fi
+# The native few-row product (runner.native, the panel weight layout): built for this machine's
+# CPU and this MLX; rebuilt when it does not load or a source is newer. Without it the runner
+# keeps the packed layout.
+if [ -z "$mlx_cuda" ]; then
+  so="$(ls runner/native/_smallrow*.so 2>/dev/null | head -n 1)"
+  if [ -z "$so" ] || [ -n "$(find runner/native -maxdepth 1 -newer "$so" \( -name '*.cpp' -o -name '*.h' -o -name CMakeLists.txt \))" ] \
+     || ! .venv/bin/python -c "import sys, runner.native as n; sys.exit(not n.available())" 2>/dev/null; then
+    echo "bootstrap: building runner.native" >&2
+    .venv/bin/python -m runner.native.build >&2 \
+      || echo "bootstrap: warning: runner.native did not build; the runner uses the packed layout" >&2
+  fi
 fi
 .venv/bin/python scripts/setup_default_model.py >/dev/null

@@ -299,3 +299,33 @@ def test_composed_and_fast_kernels_decode_the_same_greedy_tokens(
     fast, fast_rows = greedy(True)
     assert composed == fast
     np.testing.assert_allclose(np.array(composed_rows), np.array(fast_rows), atol=1e-4)
+
+
+@pytest.mark.skipif(not device.native.available(), reason=device.native.reason())
+@pytest.mark.parametrize(
+    ("model_type", "kwargs"),
+    [("qwen2", {}), ("llama", {"tie_word_embeddings": False})],
+    ids=["qwen2", "llama-untied"],
+)
+def test_panel_layout_computes_what_the_packed_one_does(checkpoint_factory, model_type, kwargs):
+    """Every product in the native panels (fused ones, biases, the output projection): the same
+    logits as the packed layout for prefill, decode and verify-sized feeds, the projections
+    still readable in the Hugging Face layout."""
+    from runner.models.layers import dense_weight
+
+    path = checkpoint_factory(model_type, seed=4, **kwargs)
+    packed, panels = load_model(path).model, load_model(path).model
+    device.tune(packed, layout="packed")
+    assert device.tune(panels, layout="panels").layout == "panels"
+    attn = panels.layers[0].self_attn
+    assert attn._qkv_t.ndim == 3 and attn.q_proj._wt.ndim == 3
+    np.testing.assert_array_equal(
+        np.array(dense_weight(attn.k_proj)),
+        np.array(dense_weight(packed.layers[0].self_attn.k_proj)),
+    )
+    packed_caches, panel_caches = packed.make_caches(), panels.make_caches()
+    for rows in (12, 1, 3, 1, 5):
+        ids = mx.array([TOKENS[:rows]])
+        want, _ = packed.forward(ids, packed_caches)
+        got, _ = panels.forward(ids, panel_caches)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-4, rtol=1e-4)

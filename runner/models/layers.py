@@ -1,9 +1,14 @@
-"""Linear layers that can store their weight transposed for fast single-row matmuls on CPU.
+"""Linear layers whose weight may be stored for the CPU's products instead of as loaded.
 
-With the OpenBLAS that Debian ships, ``x @ W.T`` for one row runs about half as fast as
-``x @ Wt`` with ``Wt`` stored contiguous (the transposed operand is packed on every call),
-and decode is nothing but such products. :func:`pack_for_cpu` swaps the stored layout once
-after loading; the Hugging Face layout stays readable through :func:`dense_weight`.
+Two CPU layouts, applied once after loading by ``runner.device.tune``:
+
+- packed, ``_wt`` ``[in, out]``: ``x @ Wt`` with ``Wt`` contiguous; a BLAS otherwise packs the
+  transposed operand of ``x @ W.T`` on every call, and decode is nothing but such products.
+- panels, ``_wt`` ``[out / 16, in, 16]`` (``runner.native``): column panels that the native
+  few-row product reads once for all rows, so 2-16 verify rows cost about one row, and every
+  row's result is the same whatever batch it is computed in.
+
+The Hugging Face layout stays readable through :func:`dense_weight` in every case.
 """
 
 from __future__ import annotations
@@ -11,18 +16,38 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from runner import native
+
 # Feeds of 2-16 rows (a speculative verify) use the [out, in] copy when one exists: some BLAS
 # libraries pack the transposed operand on every multi-row call (blas.row_layout_pays).
 MAX_ROWS_LEFT = 16
 
 
+def product(x: mx.array, wt: mx.array) -> mx.array:
+    """``x @ W`` for ``wt`` packed (2-D, ``[in, out]``) or in panels (3-D)."""
+    if wt.ndim == 3:
+        return native.panel_matmul(x, wt, wt.shape[0] * native.PANEL)
+    return x @ wt
+
+
+def to_panels(wt: mx.array) -> mx.array | None:
+    """The panel layout of a packed ``[in, out]`` weight, or None when ``out`` is not a whole
+    number of panels (such a product stays packed)."""
+    if wt.ndim != 2 or wt.shape[1] % native.PANEL:
+        return None
+    return native.to_panels(wt)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight may live transposed in ``_wt`` (not a parameter)."""
+    """``nn.Linear`` whose weight may live in ``_wt`` (not a parameter), packed or in panels."""
 
     def __call__(self, x: mx.array) -> mx.array:
         wt = self.get("_wt")
         if wt is None:
             return super().__call__(x)
+        if wt.ndim == 3:
+            y = product(x, wt)
+            return y + self["bias"] if "bias" in self else y
         w = self.get("_w_rows")
         rows = x.size // x.shape[-1]
         if w is not None and 1 < rows <= MAX_ROWS_LEFT:
@@ -65,9 +90,9 @@ def fuse_linears(owner: nn.Module, key: str, parts: list[nn.Module]) -> bool:
 
 
 def fused_product(owner: nn.Module, key: str, x: mx.array) -> mx.array:
-    """``x`` through the projections :func:`fuse_linears` stored as ``owner[key]``; for verify
-    rows too (``x @ Wt`` beat the ``[out, in]`` layout for the fused shapes)."""
-    y = x @ owner[key]
+    """``x`` through the projections :func:`fuse_linears` stored as ``owner[key]``, packed or in
+    panels; for verify rows too (the ``[out, in]`` layout does not pay for the fused shapes)."""
+    y = product(x, owner[key])
     bias = owner.get(key + "_bias")
     return y if bias is None else y + bias
 
@@ -79,7 +104,11 @@ def dense_weight(layer: nn.Module) -> mx.array:
             layer.weight, layer.scales, layer.get("biases"), layer.group_size, layer.bits
         )
     wt = layer.get("_wt")
-    return wt.T if wt is not None else layer.weight
+    if wt is None:
+        return layer.weight
+    if wt.ndim == 3:  # panels [out / P, in, P] -> [out, in]
+        return wt.transpose(0, 2, 1).reshape(-1, wt.shape[1])
+    return wt.T
 
 
 def pack_for_cpu(module: nn.Module) -> int:
@@ -106,4 +135,33 @@ def add_row_layout(module: nn.Module) -> int:
             child._w_rows = mx.contiguous(child._wt.T)
             count += 1
     mx.eval([c._w_rows for _, c in module.named_modules() if "_w_rows" in c])
+    return count
+
+
+def fused_to_panels(owner: nn.Module, key: str, parts: list[nn.Module]) -> bool:
+    """Panels for the fused matrix ``owner[key]`` (:func:`fuse_linears`), each part a view of
+    them; False (left packed) unless every part is a whole number of panels wide."""
+    fused = owner.get(key)
+    if fused is None or fused.ndim != 2 or any(p._wt.shape[1] % native.PANEL for p in parts):
+        return False
+    panels = to_panels(fused)
+    owner[key] = panels
+    start = 0
+    for part in parts:
+        width = part._wt.shape[1] // native.PANEL
+        part._wt = panels[start : start + width]
+        start += width
+    return True
+
+
+def linears_to_panels(module: nn.Module) -> int:
+    """Panels for every packed ``Linear`` below ``module`` that is not part of a fused product;
+    returns how many (a product that is not a whole number of panels wide stays packed)."""
+    count = 0
+    for _, child in module.named_modules():
+        if isinstance(child, Linear) and "_wt" in child and not getattr(child, "fused", False):
+            panels = to_panels(child._wt)
+            if panels is not None:
+                child._wt = panels
+                count += 1
     return count

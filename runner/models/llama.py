@@ -17,7 +17,11 @@ from runner.models.layers import (
     dense_weight,
     fuse_linears,
     fused_product,
+    fused_to_panels,
+    linears_to_panels,
     pack_for_cpu,
+    product,
+    to_panels,
 )
 from runner.models.rope import RoPE, RopeTables
 
@@ -96,6 +100,9 @@ class Attention(nn.Module):
         """Compute q, k and v in one product (see ``fuse_linears``)."""
         return fuse_linears(self, "_qkv_t", [self.q_proj, self.k_proj, self.v_proj])
 
+    def fused_to_panels(self) -> bool:
+        return fused_to_panels(self, "_qkv_t", [self.q_proj, self.k_proj, self.v_proj])
+
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if "_qkv_t" not in self:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -170,6 +177,9 @@ class MLP(nn.Module):
     def fuse(self) -> bool:
         """Compute gate and up in one product (see ``fuse_linears``)."""
         return fuse_linears(self, "_gate_up_t", [self.gate_proj, self.up_proj])
+
+    def fused_to_panels(self) -> bool:
+        return fused_to_panels(self, "_gate_up_t", [self.gate_proj, self.up_proj])
 
     def __call__(self, x: mx.array) -> mx.array:
         if "_gate_up_t" in self:
@@ -343,7 +353,7 @@ class Model(nn.Module):
     def unembed(self, hidden: mx.array) -> mx.array:
         """Project post-norm hidden rows to vocabulary logits."""
         if "_embed_t" in self:
-            return hidden @ self._embed_t
+            return product(hidden, self._embed_t)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
@@ -382,6 +392,25 @@ class Model(nn.Module):
 
     def __call__(self, tokens: mx.array, caches: list[KVCache]) -> mx.array:
         return self.forward(tokens, caches)[0]
+
+
+def to_panel_layout(module: nn.Module) -> int:
+    """Every packed product below ``module`` (fused ones, plain linears, a tied model's output
+    projection) in the panel layout of ``runner.native``; returns how many products."""
+    count = sum(
+        child.fused_to_panels()
+        for _, child in module.named_modules()
+        if isinstance(child, Attention | MLP)
+    )
+    count += linears_to_panels(module)
+    for _, child in module.named_modules():
+        if isinstance(child, Model) and "_embed_t" in child:
+            panels = to_panels(child._embed_t)
+            if panels is not None:
+                child._embed_t = panels
+                count += 1
+    mx.eval([v for _, v in private_arrays(module)])
+    return count
 
 
 def private_arrays(module: nn.Module):

@@ -1,0 +1,165 @@
+"""Few-row float32 products ``x @ W`` over a column-panel weight layout (an MLX C++ primitive).
+
+A product with a few rows (speculative verify rows, batched decode) is memory-bound: the BLAS
+libraries still run it as a small GEMM and pay 2-8x a one-row product for 4-8 rows. Here the
+weight is re-laid out once, at load, into column panels ``P[ceil(N/16)][K][16]``
+(:func:`to_panels`); the primitive ``_smallrow.panel_matmul`` reads each panel once for all the
+rows (their accumulators in vector registers, several panels side by side for 1-4 rows),
+on MLX's CPU stream thread (one thread for decode-sized M, every core for prefill chunks).
+The primitive serves every M, prefill chunks included, at about the speed of oneMKL's GEMM
+there, so only the panel layout need be kept in memory.
+
+Row ``i`` of an ``M``-row product is bit-for-bit the one-row product of that row, for every
+``M`` and thread count (one FMA chain per output element, in ``k`` order, whatever ``M``):
+verify rows match plain decoding.
+
+Build the extension with ``python -m runner.native.build``. Importing this module never fails:
+without a usable build, :func:`available` is False, :func:`reason` says why, and
+:func:`panel_matmul` computes every ``M`` with MLX ops (slowly: it rebuilds [K, N] each call).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import mlx.core as mx
+
+PANEL = 16  # columns per panel (kernels.h kPanel)
+SMALL_ROWS = 16  # M <= SMALL_ROWS (decode, verify rows) runs on one thread by default
+
+_ext = None
+_reason = "not checked"
+
+
+def _load() -> None:
+    global _ext, _reason
+    try:
+        ext = importlib.import_module("runner.native._smallrow")
+    except ModuleNotFoundError:
+        _reason = "runner.native._smallrow is not built: run `python -m runner.native.build`"
+        return
+    except Exception as exc:  # built for another Python or MLX (undefined symbols), ...
+        _reason = (
+            f"runner.native._smallrow does not import ({type(exc).__name__}: {exc}); "
+            "rebuild it with `python -m runner.native.build`"
+        )
+        return
+    if getattr(ext, "PANEL", None) != PANEL:
+        _reason = f"runner.native._smallrow uses panels of {getattr(ext, 'PANEL', '?')} columns"
+        _reason += f", this wrapper {PANEL}; rebuild with `python -m runner.native.build`"
+        return
+    built_for = getattr(ext, "MLX_VERSION", "?")
+    running = mx.__version__.split("+")[0].split(".dev")[0]
+    if built_for != running:
+        _reason = (
+            f"runner.native._smallrow was built for mlx {built_for}, this is mlx {running}; "
+            "rebuild with `python -m runner.native.build`"
+        )
+        return
+    try:
+        # Builds (does not evaluate) one node: a nanobind ABI other than mlx.core's shows up
+        # here as a TypeError, before any real use.
+        ext.panel_matmul(mx.zeros((1, 1)), mx.zeros((1, 1, PANEL)), 1)
+    except Exception as exc:
+        _reason = (
+            f"runner.native._smallrow does not accept mlx arrays ({type(exc).__name__}: "
+            f"{exc}); rebuild with `python -m runner.native.build`"
+        )
+        return
+    _ext, _reason = ext, ""
+
+
+_load()
+
+
+def available() -> bool:
+    """Whether the compiled primitive is importable and matches this MLX."""
+    return _ext is not None
+
+
+def reason() -> str:
+    """Why :func:`available` is False ('' when it is True)."""
+    return _reason
+
+
+def isa() -> str | None:
+    """The kernel path compiled in (``avx512``, ``avx2`` or ``portable``), None if unavailable."""
+    return _ext.isa() if _ext is not None else None
+
+
+def to_panels(w_t: mx.array) -> mx.array:
+    """The panel layout ``[ceil(N / PANEL), K, PANEL]`` (float32, row-contiguous, N padded with
+    zero columns) of a ``[K, N]`` (in, out) weight. Lazy: evaluate it once at load, drop w_t."""
+    if w_t.ndim != 2:
+        raise ValueError(f"to_panels takes a [K, N] weight, got shape {tuple(w_t.shape)}")
+    k, n = w_t.shape
+    nb = -(-n // PANEL)
+    w = w_t.astype(mx.float32) if w_t.dtype != mx.float32 else w_t
+    if nb * PANEL != n:
+        w = mx.pad(w, [(0, 0), (0, nb * PANEL - n)])
+    return mx.contiguous(w.reshape(k, nb, PANEL).transpose(1, 0, 2))
+
+
+def _rows(x: mx.array) -> int:
+    m = 1
+    for d in x.shape[:-1]:
+        m *= d
+    return m
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+LARGE_M_THREADS = _cores()  # threads for M > SMALL_ROWS (prefill chunks use every core)
+
+
+def panel_matmul(x: mx.array, panels: mx.array, n: int, *, threads: int | None = None) -> mx.array:
+    """``x @ W`` ([..., K] -> [..., n]) for W given as ``panels = to_panels(W)``.
+
+    Runs the primitive for every M (the product of x's leading dims). ``threads`` (how many
+    threads split the panels; the CPU stream's own thread is one of them) defaults to 1 for
+    ``M <= SMALL_ROWS`` (decode and verify rows: the other core builds the next graph) and to
+    :data:`LARGE_M_THREADS` above (prefill chunks). The primitive's FMA order does not depend
+    on M or threads, so every row's result is the same whatever batch it is computed in.
+    The thread count is fixed when the graph is built (under ``mx.compile``: at trace time,
+    from the traced shape). Without the compiled primitive it falls back to
+    :func:`mlx_panel_matmul` (correct, but it copies the weight back to [K, N] on every call:
+    keep w_t instead when the primitive is unavailable)."""
+    if x.ndim < 1 or panels.ndim != 3 or x.shape[-1] != panels.shape[1]:
+        raise ValueError(
+            f"panel_matmul: x {tuple(x.shape)} does not match panels {tuple(panels.shape)}"
+        )
+    if _ext is None or x.dtype != mx.float32:
+        return mlx_panel_matmul(x, panels, n)
+    if threads is None:
+        threads = 1 if _rows(x) <= SMALL_ROWS else LARGE_M_THREADS
+    return _ext.panel_matmul(x, panels, n, threads)
+
+
+def mlx_panel_matmul(x: mx.array, panels: mx.array, n: int, *, method: str = "rebuild") -> mx.array:
+    """``x @ W`` over the panel layout with MLX ops only (no primitive), under the runner's BLAS.
+
+    ``rebuild``: copy the panels back to W [K, N] (one transpose copy of the weight) and run
+    one GEMM. ``batched``: one [M, K] @ [K, PANEL] GEMM per panel, then one transpose copy of
+    the output from [NB, M, PANEL] to [M, N] (many narrow GEMMs: slow at this panel width)."""
+    nb, k, width = panels.shape
+    lead = x.shape[:-1]
+    m = _rows(x)
+    x2 = x.reshape(m, k)
+    if x2.dtype != panels.dtype:
+        x2 = x2.astype(panels.dtype)
+    if method == "rebuild":
+        w = mx.contiguous(panels.transpose(1, 0, 2)).reshape(k, nb * width)
+        y = x2 @ (w[:, :n] if nb * width != n else w)
+    elif method == "batched":
+        y = mx.matmul(x2, panels).transpose(1, 0, 2).reshape(m, nb * width)
+        if nb * width != n:
+            y = y[:, :n]
+    else:
+        raise ValueError(f"mlx_panel_matmul: unknown method {method!r}")
+    return y.reshape(*lead, n) if len(lead) != 1 else y

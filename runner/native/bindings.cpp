@@ -1,0 +1,38 @@
+// nanobind module _smallrow: the PanelMatmul op for Python (NB_DOMAIN mlx, so mlx.core's
+// array and stream types pass straight through).
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include <string>
+
+#include "kernels.h"
+#include "mlx/version.h"
+#include "smallrow.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_smallrow, m) {
+  m.doc() = "Few-row float32 products over a column-panel weight layout (MLX CPU primitive).";
+
+  m.def(
+      "panel_matmul",
+      &mtp_native::panel_matmul,
+      "x"_a,
+      "panels"_a,
+      "n"_a,
+      "threads"_a = 1,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "y[..., n] = x[..., K] @ W[K, n] with W as float32 panels [NB, K, PANEL]; threads splits "
+      "the panels over that many threads (1: the stream's own thread).");
+  m.def("isa", &mtp_native::isa, "The kernel path compiled in: avx512, avx2 or portable.");
+  m.attr("PANEL") = smallrow::kPanel;
+  m.attr("MAX_BLOCK") = smallrow::kMaxBlock;
+  // The MLX headers this was compiled against: the wrapper refuses a module built for another
+  // MLX (the Primitive ABI is not stable across versions).
+  m.attr("MLX_VERSION") = std::to_string(MLX_VERSION_MAJOR) + "." +
+      std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
+}
