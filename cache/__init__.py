@@ -1,6 +1,6 @@
 """Per-layer KV caches with rewind and snapshots, the prefix trie and the per-request session."""
 
-from cache.kv import KVCache, KVSnapshot
+from cache.kv import KVCache, KVSnapshot, RotatingKVCache, WindowSnapshot
 from cache.session import CacheDesyncError, CacheSession, PrefixCache, trie_keys
 from cache.trie import PrefixTrie
 
@@ -11,5 +11,7 @@ __all__ = [
     "KVSnapshot",
     "PrefixCache",
     "PrefixTrie",
+    "RotatingKVCache",
+    "WindowSnapshot",
     "trie_keys",
 ]

@@ -4,13 +4,21 @@ One path of the trie is *live*: its positions are what the cache buffers hold, a
 snapshots are lazy ranges of those buffers. ``begin`` switches the live caches to the best
 match (a rewind when it is on the live path, snapshot restores otherwise); ``close`` indexes
 what the caches hold after the request and enforces the byte budget.
+
+Sliding-window caches (``RotatingKVCache``) hold only the window before their offset, so
+their snapshot of a node is the window at the node's end (``WindowSnapshot``): such a cache
+can resume at a node end whose window was kept, or by an offset move while it still holds the
+window. ``begin`` restores the deepest point at or below the match that every cache can reach
+(``cached`` reports it) and pins, in the windowed caches, the positions where ``close`` will
+want windows (the snapshot points, where the prompt leaves the trie, the matched node ends
+past the restore point), so they are kept when prefill passes them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache.kv import KVCache, KVSnapshot
+from cache.kv import KVCache, KVSnapshot, RotatingKVCache, WindowSnapshot
 from cache.trie import Node, PrefixTrie
 
 SNAPSHOT_INTERVAL = 2048
@@ -74,7 +82,7 @@ class PrefixCache:
 
     def __init__(
         self,
-        caches: list[KVCache],
+        caches: list[KVCache | RotatingKVCache],
         budget_bytes: int,
         *,
         pair_keys: bool = False,
@@ -111,12 +119,16 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget every stored prefix (call before resetting the caches to skip copy-outs)."""
         self.trie.clear()
+        self._unpin()
         self._live = [self.trie.root]
 
     # ------------------------------------------------------------------ begin
     def begin(self, tokens: Sequence[int]) -> CacheSession:
         """Restore the longest cached prefix of ``tokens``; at least one token is left to run.
 
+        With sliding-window caches the restore point is the deepest one at or below the match
+        where every cache can resume (a full cache anywhere; a windowed one where it still
+        holds the window, or at a node end whose window was kept); ``cached`` says where.
         A session left open by the previous request is abandoned (its close does nothing).
         """
         prompt = list(map(int, tokens))
@@ -127,14 +139,14 @@ class PrefixCache:
         self._level()
         if self.enabled:
             path, matched = self.trie.match(trie_keys(prompt, self.pair_keys))
-            matched = min(matched, len(prompt) - 1)
-            self._switch(path, matched)
-            points = self._points(len(prompt), matched)
+            cached = self._switch(path, min(matched, len(prompt) - 1))
+            points = self._points(len(prompt), cached)
+            self._pin(path, points, cached, matched, len(prompt))
         else:
             self._rewind_all(0)
             self._live = [self.trie.root]
-            matched, points = 0, []
-        self._open = CacheSession(self, prompt, matched, points)
+            cached, points = 0, []
+        self._open = CacheSession(self, prompt, cached, points)
         return self._open
 
     def _level(self) -> None:
@@ -147,25 +159,78 @@ class PrefixCache:
         for c in self.caches:
             c.rewind(offset)
 
-    def _switch(self, path: list[Node], matched: int) -> None:
-        """Make the caches hold the first ``matched`` positions of ``path``."""
+    def _switch(self, path: list[Node], matched: int) -> int:
+        """Make the caches hold the first ``t`` positions of ``path``, ``t`` the deepest point
+        at or below ``matched`` that every cache can reach; return ``t``."""
         common = 0
         for live, node in zip(self._live, path, strict=False):
             if live is not node:
                 break
             common += 1
-        keep = min(path[common - 1].end, matched)
-        self._rewind_all(keep)
-        self._live = [n for n in path[:common] if n.end <= keep]
+        keep = min(path[common - 1].end, matched)  # what the live buffers hold of the path
+        ends = {n.end: n for n in path if n.end <= matched}
+        target = 0
+        for t in sorted({matched, keep, *ends}, reverse=True):
+            if all(self._reaches(i, c, t, keep, ends) for i, c in enumerate(self.caches)):
+                target = t
+                break
+        held = min(target, keep)
+        for i, c in enumerate(self.caches):
+            if not getattr(c, "windowed", False):
+                c.rewind(held)
+            elif c.can_rewind(target) and target <= keep:
+                c.rewind(target)
+            else:
+                c.restore(ends[target].snapshots[i])
+        self._live = [n for n in path[:common] if n.end <= held]
         for node in path[common:]:
-            target = min(node.end, matched)
-            if target <= node.start:
+            end = min(node.end, target)
+            if end <= node.start:
                 break
             for c, snap in zip(self.caches, node.snapshots, strict=True):
-                c.restore(snap, target)
-            if target == node.end:
+                if not getattr(c, "windowed", False):
+                    c.restore(snap, end)
+            if end == node.end:
                 self._live.append(node)
         self.trie.touch(self._live[-1])
+        return target
+
+    @staticmethod
+    def _reaches(i: int, cache, t: int, keep: int, ends: dict[int, Node]) -> bool:
+        """Whether cache slot ``i`` can be brought to ``t``: a full cache anywhere on the path
+        (rewind, then the nodes' ranges); a windowed one by an offset move while it holds the
+        window before ``t``, or from the window kept at a node ending at ``t``."""
+        if not getattr(cache, "windowed", False):
+            return True
+        if t <= keep and cache.can_rewind(t):
+            return True
+        node = ends.get(t)
+        return node is not None and node.snapshots and cache.can_restore(node.snapshots[i])
+
+    def _pin(self, path: list[Node], points: list[int], cached: int, matched: int, length: int):
+        """Ask windowed caches to keep their window where ``close`` may put node boundaries:
+        the snapshot points, where the prompt leaves the trie (a split) and the ends of the
+        matched nodes past the restore point (their windows get refreshed).
+
+        A kept window becomes a copy of every windowed layer's window once prefill moves past
+        it, so each windowed cache keeps its copies within its share of the byte budget, the
+        most wanted first: the pre-turn point and the split (regenerated turns and branches),
+        then the others, deepest first."""
+        windowed = [c for c in self.caches if getattr(c, "windowed", False)]
+        if not windowed:
+            return
+        pre_turn = length - PRE_TURN - (1 if self.pair_keys else 0)
+        first = [p for p in (pre_turn, matched) if cached < p < length]
+        rest = set(points) | {n.end for n in path if cached < n.end <= matched}
+        order = list(dict.fromkeys([*first, *sorted(rest - set(first), reverse=True)]))
+        share = self.budget_bytes // len(windowed)
+        for c in windowed:
+            c.set_pins(order, budget=share)
+
+    def _unpin(self) -> None:
+        for c in self.caches:
+            if getattr(c, "windowed", False):
+                c.set_pins(())
 
     def _points(self, length: int, cached: int) -> list[int]:
         shift = 1 if self.pair_keys else 0
@@ -174,13 +239,19 @@ class PrefixCache:
         return sorted(p - shift for p in wanted if cached < p - shift < length)
 
     # ------------------------------------------------------------------ close
-    def _live_snapshots(self, start: int, end: int) -> list[KVSnapshot]:
+    def _live_snapshots(self, start: int, end: int) -> list[KVSnapshot | WindowSnapshot]:
         return [c.snapshot(start, end) for c in self.caches]
 
     def _close(self, session: CacheSession) -> None:
         if session is not self._open:
             return
         self._open = None
+        try:
+            self._check_and_index(session)
+        finally:
+            self._unpin()
+
+    def _check_and_index(self, session: CacheSession) -> None:
         offsets = [c.offset for c in self.caches]
         low = min(offsets, default=0)
         stored = session.prompt + session.recorded
@@ -191,8 +262,10 @@ class PrefixCache:
             raise CacheDesyncError(
                 f"caches hold {low} positions but only {len(stored)} tokens were recorded"
             )
-        if not self.enabled:
-            return
+        if self.enabled:
+            self._index(session, stored, low)
+
+    def _index(self, session: CacheSession, stored: list[int], low: int) -> None:
         keys = trie_keys(stored, self.pair_keys)
         indexed = min(low, len(keys))
         self._live = [n for n in self._live if n.end <= indexed]

@@ -1,8 +1,10 @@
 """A compressed trie over token keys whose nodes hold per-cache snapshots of their edge.
 
 Each node owns the positions ``[start, end)`` spelled by its edge keys and one snapshot per
-cache slot covering exactly that range. The trie knows nothing of the live caches; the
-session (``cache/session.py``) decides which path is live and hands in fresh snapshots.
+cache slot covering exactly that range (for a sliding-window cache: the window before ``end``,
+possibly empty when it was not kept; see ``cache.kv.WindowSnapshot``). The trie knows
+nothing of the live caches; the session (``cache/session.py``) decides which path is live and
+hands in fresh snapshots.
 Memory accounting follows each snapshot's ``on_resize`` hook, so a lazy range that the live
 cache copies out later is counted the moment it is copied.
 """
@@ -12,9 +14,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 
-from cache.kv import KVSnapshot, concat_snapshots
+from cache.kv import KVSnapshot, WindowSnapshot, concat_snapshots
 
-MakeSnapshots = Callable[[int, int], list[KVSnapshot]]
+# A full cache's range of the node's positions, or a windowed cache's window at its end.
+Snapshot = KVSnapshot | WindowSnapshot
+MakeSnapshots = Callable[[int, int], list[Snapshot]]
 
 
 class Node:
@@ -27,7 +31,7 @@ class Node:
         self.end = end
         self.parent = parent
         self.children: dict[int, Node] = {}  # first key -> child; siblings never share one
-        self.snapshots: list[KVSnapshot] = []
+        self.snapshots: list[Snapshot] = []
         self.last_used = 0
         self.user = False  # a snapshot at this node's end was asked for: compaction keeps it
 
@@ -97,19 +101,28 @@ class PrefixTrie:
     def _on_resize(self, delta: int) -> None:
         self.nbytes += delta
 
-    def set_snapshots(self, node: Node, snapshots: list[KVSnapshot]) -> None:
-        """Give ``node`` new snapshots; the old ones are closed."""
-        for snap in self._take_snapshots(node):
+    def set_snapshots(self, node: Node, snapshots: list[Snapshot]) -> None:
+        """Give ``node`` new snapshots; the old ones are closed. A new snapshot that cannot
+        restore (a windowed cache no longer held the window) leaves an old one that can in
+        place: both describe the same tokens."""
+        old = self._take_snapshots(node)
+        if len(old) == len(snapshots):
+            for i, (was, new) in enumerate(zip(old, snapshots, strict=True)):
+                if not new.restorable and was.restorable and was.end == new.end:
+                    new.close()
+                    was.start = new.start
+                    snapshots[i], old[i] = was, new
+        for snap in old:
             snap.close()
         self._attach(node, snapshots)
 
-    def _attach(self, node: Node, snapshots: list[KVSnapshot]) -> None:
+    def _attach(self, node: Node, snapshots: list[Snapshot]) -> None:
         node.snapshots = snapshots
         for snap in snapshots:
             snap.on_resize = self._on_resize
             self.nbytes += snap.nbytes
 
-    def _take_snapshots(self, node: Node) -> list[KVSnapshot]:
+    def _take_snapshots(self, node: Node) -> list[Snapshot]:
         """Detach ``node``'s snapshots from the accounting and hand them over."""
         snapshots, node.snapshots = node.snapshots, []
         for snap in snapshots:
@@ -121,7 +134,7 @@ class PrefixTrie:
         node.last_used = next(self._clock)
 
     # ------------------------------------------------------------------ growing
-    def add_child(self, parent: Node, keys: list[int], snapshots: list[KVSnapshot]) -> Node:
+    def add_child(self, parent: Node, keys: list[int], snapshots: list[Snapshot]) -> Node:
         node = Node(keys, parent.end + len(keys), parent)
         parent.children[keys[0]] = node
         self._attach(node, snapshots)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from drafting.accept import greedy_decision, speculate
+from drafting.accept import matched_decision
 from drafting.rounds import HeadError, HostError, Replay, TargetError, Verification
 from drafting.session import DraftSession
 
@@ -74,9 +74,9 @@ class MlxRoundOps:
     # -- head -------------------------------------------------------------------------------
 
     def head_step(self, current: int, k: int):
-        self._feed_x(current)  # q for d1 is penalised with x in the window, like p
+        self._feed_x(current)  # d1 is penalised with x in the window, like the target's row
         try:
-            proposal = self.draft.propose(current, k, self.sampler)
+            proposal = self.draft.propose(current, k, self.sampler, slot=self.position + 1)
         except Exception as exc:
             raise HeadError(f"draft head failed: {exc}") from exc
         if proposal is None:
@@ -110,19 +110,12 @@ class MlxRoundOps:
                 ids = mx.concatenate([ids, proposal.tokens.astype(mx.int32)])
             hidden = self.model.hidden(ids[None], self.caches)[0]
             logits = self.model.unembed(hidden)
-            if proposal is None:
-                p = self.sampler.distributions(logits)
-                decision_accept = mx.zeros((0,), dtype=mx.bool_)
-                successors = self.sampler.draw(p).reshape(1).astype(mx.int32)
-                drafts = mx.zeros((0,), dtype=mx.int32)
-            else:
+            drafts = mx.zeros((0,), dtype=mx.int32)
+            if proposal is not None:
                 drafts = proposal.tokens.astype(mx.int32)
-                if self.sampler.greedy:  # the argmax of the penalised rows: no one-hot needed
-                    decision = greedy_decision(self.sampler.penalised(logits, drafts), drafts)
-                else:
-                    p = self.sampler.distributions(logits, drafts)
-                    decision = speculate(p, proposal.probs, drafts, self.sampler)
-                decision_accept, successors = decision
+            # The target's own draw at every slot of the feed: row i's token goes to entry + 1 + i.
+            target = self.sampler.tokens(logits, drafts, slot=entry + 1)
+            decision_accept, successors = matched_decision(target, drafts)
         except Exception as exc:  # building the graph failed: nothing was evaluated yet
             self.rewind_quietly(entry)
             raise TargetError(f"verify forward failed: {exc}") from exc
@@ -147,13 +140,13 @@ class MlxRoundOps:
         fresh = list(tokens[1:]) if self._x_at == self.position else list(tokens)
         if fresh:
             self.sampler.append(fresh)
+        slot = self.position + len(tokens)  # where the successor goes
         try:
             ids = mx.array(list(tokens), dtype=mx.int32)
             hidden = self.model.hidden(ids[None], self.caches)[0]
             nxt = None
             if successor:
-                p = self.sampler.distributions(self.model.unembed(hidden[-1:]))
-                nxt = self.sampler.draw(p).reshape(1)
+                nxt = self.sampler.tokens(self.model.unembed(hidden[-1:]), slot=slot)
             mx.eval(hidden, [c.state for c in self.caches], *([nxt] if nxt is not None else []))
         except Exception as exc:
             raise TargetError(f"replay forward failed: {exc}") from exc
@@ -167,7 +160,7 @@ class MlxRoundOps:
     @staticmethod
     def _proposal_fails(proposal) -> bool:
         try:
-            mx.eval(proposal.tokens, proposal.probs)
+            mx.eval(proposal.tokens)
         except Exception:
             return True
         return False

@@ -53,9 +53,10 @@ HEAD_COMMIT_FAILED any error while rewinding or committing the head: discard it,
 REPLAY_HOST        HostError from a replay feed: its tokens count as fed, discard the head;
                    successor = the salvage when one was wanted, else error (caches reusable).
 
-Nothing a head does can fail a request. RNG order per round: the head step's draft draws, the
-verify's acceptance uniforms, then its successor draws (a close replay draws after that); the
-driver itself never draws, and greedy rounds consume no randomness.
+Nothing a head does can fail a request. Every draw is keyed by the slot its token occupies
+(``drafting.accept``): the head step draws each draft for its slot, the verify feed draws the
+target's token for every slot of the feed in its one sync, a replay draws its successor's
+slot; the driver itself never draws, and the order of the calls does not matter.
 
 Parking: ``plan()`` is the decision point. Depth 0 (the controller's choice, a disabled
 request, logprobs, a head that is not ready) makes the round target-only; the engine may run

@@ -32,13 +32,12 @@ FLUSH_AT = 256
 
 
 class Sampler(Protocol):
-    """What ``propose`` needs from ``runner.sampler.Sampler`` (see docs/INTERNALS.md). A
-    sampler whose ``greedy`` is true and ``penalises`` false (both optional) gets the head's
-    argmax as its draft directly; ``q`` stays its lazy one-hot, never built unless read."""
+    """What ``propose`` needs from ``runner.sampler.Sampler`` (see docs/INTERNALS.md): the
+    request's draw of the token at a slot (``drafting.accept``: the head drafts with the same
+    noise the target draws with). A sampler whose ``greedy`` is true and ``penalises`` false
+    (both optional) gets the head's argmax over its draft vocabulary directly."""
 
-    def distributions(self, logits: mx.array, chain: Any) -> mx.array: ...
-
-    def draw(self, probs: mx.array) -> mx.array: ...
+    def tokens(self, logits: mx.array, chain: Any, *, slot: int) -> mx.array: ...
 
 
 class Head(Protocol):
@@ -51,10 +50,10 @@ class Head(Protocol):
 
 @dataclass
 class Proposal:
-    """k drafted tokens and the processed distributions q they were drawn from (lazy)."""
+    """k drafted tokens (lazy), for slots ``slot .. slot + k - 1``."""
 
     tokens: mx.array  # [k] int32
-    probs: mx.array  # [k, V] over the full vocabulary
+    slot: int
 
 
 def _as_ids(tokens: int | Sequence[int] | mx.array) -> mx.array:
@@ -189,8 +188,11 @@ class DraftSession:
 
     # -- drafting ---------------------------------------------------------------------------
 
-    def propose(self, current: int | mx.array, k: int, sampler: Sampler) -> Proposal | None:
-        """Draft ``k`` tokens after ``current`` (the emitted, not yet forwarded token).
+    def propose(
+        self, current: int | mx.array, k: int, sampler: Sampler, *, slot: int
+    ) -> Proposal | None:
+        """Draft ``k`` tokens after ``current`` (the emitted, not yet forwarded token); draft i
+        (from 0) is drawn for cache slot ``slot + i``.
 
         None when the session cannot draft (nothing committed yet, discarded, k < 1): the
         caller decodes plainly. Settling with ``current`` flushes the pending pairs; that
@@ -207,19 +209,16 @@ class DraftSession:
         y = self._held
         argmax = getattr(sampler, "greedy", False) and not getattr(sampler, "penalises", True)
         drafts: list[mx.array] = []
-        dists: list[mx.array] = []
         for step in range(k):
             if step:
                 y = self.head(drafts[-1].reshape(1, 1), y, self.cache)
+            if argmax:  # the sampler's greedy draw, from the draft vocabulary's columns only
+                drafts.append(self.head.argmax_draft(y[0, -1:], self.unembed).reshape(1))
+                continue
             logits = self.head.draft_logits(y[0, -1:], self.unembed)
             chain = mx.concatenate(drafts) if drafts else mx.zeros((0,), dtype=mx.int32)
-            q = sampler.distributions(logits, chain)
-            if argmax:  # the same token as draw(q), from the draft vocabulary's columns only
-                drafts.append(self.head.argmax_draft(y[0, -1:], self.unembed).reshape(1))
-            else:
-                drafts.append(sampler.draw(q).reshape(1).astype(mx.int32))
-            dists.append(q)
-        return Proposal(tokens=mx.concatenate(drafts), probs=mx.concatenate(dists, axis=0))
+            drafts.append(sampler.tokens(logits, chain, slot=slot + step).reshape(1))
+        return Proposal(tokens=mx.concatenate(drafts), slot=slot)
 
     # -- internals --------------------------------------------------------------------------
 

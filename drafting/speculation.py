@@ -55,18 +55,28 @@ class Speculation:
     """The MTP head of one loaded target, its draft cache and its depth controller.
 
     ``fixed_depth`` drafts that many tokens every round instead of the adaptive depth
-    (benchmarks, tests); ``max_depth`` bounds the adaptive one.
+    (benchmarks, tests); ``max_depth`` bounds the adaptive one. ``fault_after`` (a test hook)
+    makes the head's n-th call in every request raise, as a failing head would.
     """
 
-    def __init__(self, head: MTPHead, *, max_depth: int, fixed_depth: int | None = None) -> None:
+    def __init__(
+        self,
+        head: MTPHead,
+        *,
+        max_depth: int,
+        fixed_depth: int | None = None,
+        fault_after: int | None = None,
+    ) -> None:
         self.head = head
         self.cache = KVCache()
         self.depth = DepthController(max_depth=max_depth)
         self.fixed_depth = fixed_depth
+        self.fault_after = fault_after
 
     def open(self, unembed: Callable[[mx.array], mx.array]) -> SpeculationSession:
         """A request's session, opened before prefill (``unembed``: the target's output head)."""
-        return SpeculationSession(self, DraftSession(self.head, self.cache, unembed))
+        head = self.head if self.fault_after is None else _FailingHead(self.head, self.fault_after)
+        return SpeculationSession(self, DraftSession(head, self.cache, unembed))
 
     def status(self) -> dict:
         """Plain values for the ``status`` frame."""
@@ -177,3 +187,19 @@ def guarded(draft: DraftSession, method: str) -> Callable:
             draft.discard()
 
     return call
+
+
+class _FailingHead:
+    """The head with a fault on its ``n``-th forward (``Speculation.fault_after``)."""
+
+    def __init__(self, head: MTPHead, n: int) -> None:
+        self._head, self._left = head, n
+
+    def __call__(self, *args, **kwargs):
+        self._left -= 1
+        if self._left == 0:
+            raise RuntimeError("injected draft head fault")
+        return self._head(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._head, name)

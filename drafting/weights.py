@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,6 +24,7 @@ from protocol.errors import (
     MissingTensor,
     ModelFileMissing,
     TensorShapeMismatch,
+    UnsupportedArchitecture,
 )
 
 ErrorClass = type[LoadError]
@@ -51,17 +53,224 @@ def read_safetensors(path: str, *, error: ErrorClass | None = None) -> dict[str,
         raise (error or CorruptModelFile)(f"cannot read safetensors ({exc})", path=path) from None
 
 
-def dequantize(weights: dict[str, mx.array], group_size: int, bits: int | None = None) -> None:
-    """Replace every affine-quantized ``X.weight``/``X.scales``/``X.biases`` triple by a dense
-    ``X.weight``, in place. ``bits`` None: each tensor's own, from its packed width."""
+AFFINE = "affine"
+# The affine widths MLX packs (6 and 3 bits straddle the uint32 words).
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+_QUANT_KEYS = ("group_size", "bits", "mode")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One module's affine quantization; None fields are inferred from the tensors' shapes."""
+
+    group_size: int | None = None
+    bits: int | None = None
+
+
+@dataclass
+class Quantization:
+    """mlx-lm's ``quantization`` dict: top-level ``group_size`` / ``bits`` / ``mode`` plus
+    per-module entries keyed by module path (``"model.layers.1.mlp.down_proj": {"group_size":
+    64, "bits": 8, "mode": "affine"}``, or ``false`` for a module left dense), as
+    ``mlx_lm.utils.load_model`` reads it: a named module uses its entry; any other module whose
+    ``scales`` are present was packed with the widths its shapes give (mlx-lm's
+    ``infer_quant_config``), which are the top-level ones unless mlx-lm chose otherwise."""
+
+    default: QuantSpec
+    layers: dict[str, QuantSpec | None] = field(default_factory=dict)
+    key: str = "quantization"
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping, *, path: str | None, error: ErrorClass | None = None
+    ) -> Quantization | None:
+        """The quantization a config declares (None: none). Only MLX's affine mode is
+        implemented: any other ``mode`` (mxfp4, nvfp4, mxfp8) and a Hugging Face
+        ``quantization_config`` of another method (GPTQ, AWQ, FP8, bitsandbytes, ...) are
+        refused, naming the key."""
+        sections = [config]
+        nested = config.get("text_config")
+        if isinstance(nested, Mapping):
+            sections.append(nested)
+        for section in sections:
+            for key in ("quantization", "quantization_config"):
+                quant = section.get(key)
+                if not quant:
+                    continue
+                prefix = "" if section is config else "text_config."
+                if not isinstance(quant, Mapping):
+                    raise (error or CorruptModelFile)(
+                        f"bad config key {prefix}{key}: expected an object", path=path
+                    )
+                return cls._parse(quant, f"{prefix}{key}", path, error)
+        return None
+
+    @classmethod
+    def _parse(cls, quant: Mapping, key: str, path: str | None, error) -> Quantization:
+        method = quant.get("quant_method")
+        if method is not None:
+            raise (error or UnsupportedArchitecture)(
+                f"unsupported config key {key}.quant_method = {method!r}: only MLX affine "
+                "quantization (mlx_lm.convert) is implemented",
+                path=path,
+            )
+
+        def spec(entry: Mapping, where: str) -> QuantSpec:
+            mode = entry.get("mode", AFFINE)
+            if mode != AFFINE:
+                raise (error or UnsupportedArchitecture)(
+                    f"unsupported config key {where}.mode = {mode!r}: only affine "
+                    "quantization is implemented",
+                    path=path,
+                )
+            for name in ("group_size", "bits"):
+                value = entry.get(name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                    raise (error or CorruptModelFile)(
+                        f"bad config key {where}.{name}: expected an integer, found {value!r}",
+                        path=path,
+                    )
+            bits = entry.get("bits")
+            if bits is not None and bits not in AFFINE_BITS:
+                raise (error or UnsupportedArchitecture)(
+                    f"unsupported config key {where}.bits = {bits!r}: affine widths are "
+                    f"{', '.join(map(str, AFFINE_BITS))}",
+                    path=path,
+                )
+            extra = sorted(k for k in entry if k not in _QUANT_KEYS)
+            if extra:
+                raise (error or UnsupportedArchitecture)(
+                    f"unsupported config key {where}.{extra[0]} = {entry[extra[0]]!r}: not "
+                    "part of MLX's affine quantization",
+                    path=path,
+                )
+            return QuantSpec(entry.get("group_size"), bits)
+
+        top = {k: v for k, v in quant.items() if not isinstance(v, Mapping | bool)}
+        layers: dict[str, QuantSpec | None] = {}
+        for name, entry in quant.items():
+            if entry is False:  # left dense (True would mean the defaults: nothing to note)
+                layers[name] = None
+            elif isinstance(entry, Mapping):
+                layers[name] = spec(entry, f"{key}.{name}")
+        return cls(spec(top, key), layers, key)
+
+    def renamed(self, rename: Callable[[str], str]) -> Quantization:
+        """The same settings with module paths renamed as the loader renames tensors."""
+        return Quantization(self.default, {rename(k): v for k, v in self.layers.items()}, self.key)
+
+
+def quantized_modules(
+    weights: Mapping[str, mx.array],
+    quantization: Quantization | None = None,
+    *,
+    in_dims: Mapping[str, int] | None = None,
+    path: str | None = None,
+    sources: Mapping[str, str] | None = None,
+    error: ErrorClass | None = None,
+) -> dict[str, tuple[int, int]]:
+    """``module path -> (group_size, bits)`` of every affine-quantized triple in ``weights``
+    (``X.weight`` uint32, ``X.scales``, ``X.biases``), checked against the config's settings
+    and, where ``in_dims`` gives a module's input width, against the model. Errors name the
+    tensor and its file."""
+    quantization = quantization or Quantization(QuantSpec())
+    sources = sources or {}
+    out: dict[str, tuple[int, int]] = {}
     for name in [k for k in weights if k.endswith(".scales")]:
         base = name[: -len(".scales")]
-        packed, scales = weights[base + ".weight"], weights.pop(name)
-        biases = weights.pop(base + ".biases", None)
-        layer_bits = bits or (packed.shape[-1] * 32) // (scales.shape[-1] * group_size)
-        weights[base + ".weight"] = mx.dequantize(
-            packed, scales, biases, group_size=group_size, bits=layer_bits
-        )
+
+        def fail(message: str, tensor: str, cls: ErrorClass = CorruptModelFile):
+            return (error or cls)(message, path=sources.get(tensor, path), tensor=tensor)
+
+        packed, scales = weights.get(base + ".weight"), weights[name]
+        biases = weights.get(base + ".biases")
+        if packed is None:
+            raise fail("quantization scales without their packed weight", name, MissingTensor)
+        if base in quantization.layers and quantization.layers[base] is None:
+            raise fail(f"{quantization.key} lists {base!r} as not quantized; it has scales", name)
+        if scales.dtype == mx.uint8:
+            raise fail(
+                "uint8 scales (an mxfp4 / nvfp4 / mxfp8 layout): only affine quantization is "
+                "implemented", name, UnsupportedArchitecture,
+            )  # fmt: skip
+        if not mx.issubdtype(scales.dtype, mx.floating):
+            raise fail(f"quantization scales must be floating-point, found {scales.dtype}", name)
+        if packed.dtype != mx.uint32:
+            raise fail(f"packed weights are uint32, found {packed.dtype}", base + ".weight")
+        if biases is None:
+            raise fail("affine quantization needs biases; missing", base + ".biases", MissingTensor)
+        if packed.ndim < 2 or scales.shape[:-1] != packed.shape[:-1]:
+            raise fail(
+                f"scales {tuple(scales.shape)} do not match the packed weight "
+                f"{tuple(packed.shape)}", name, TensorShapeMismatch,
+            )  # fmt: skip
+        if biases.shape != scales.shape:
+            raise fail(
+                f"biases {tuple(biases.shape)} do not match the scales {tuple(scales.shape)}",
+                base + ".biases", TensorShapeMismatch,
+            )  # fmt: skip
+        named = quantization.layers.get(base)
+        spec = named or quantization.default
+        width, groups = packed.shape[-1] * 32, scales.shape[-1]
+        in_dim = (in_dims or {}).get(base)
+        if named is None and in_dim is not None:
+            # mlx-lm's infer_quant_config: a module the config does not name has the widths
+            # its shapes give.
+            group_size, bits = in_dim // groups, width // in_dim
+        else:
+            group_size = spec.group_size or 64
+            bits = spec.bits or width // (groups * group_size)
+        stored_in = groups * group_size
+        described = f"{bits}-bit, group {group_size}"
+        if bits not in AFFINE_BITS or stored_in * bits != width:
+            raise fail(
+                f"packed weight {tuple(packed.shape)} with scales {tuple(scales.shape)} is not "
+                f"{described} affine quantization" + (f" ({quantization.key})" if named else ""),
+                base + ".weight", TensorShapeMismatch,
+            )  # fmt: skip
+        if in_dim is not None and stored_in != in_dim:
+            raise fail(
+                f"{described} quantization holds {stored_in} inputs, the model expects {in_dim}",
+                base + ".weight", TensorShapeMismatch,
+            )  # fmt: skip
+        out[base] = (group_size, bits)
+    return out
+
+
+def dequantize(
+    weights: dict[str, mx.array],
+    group_size: int | None = None,
+    bits: int | None = None,
+    *,
+    quantization: Quantization | None = None,
+    in_dims: Mapping[str, int] | None = None,
+    path: str | None = None,
+    sources: Mapping[str, str] | None = None,
+    error: ErrorClass | None = None,
+) -> None:
+    """Replace every affine-quantized ``X.weight``/``X.scales``/``X.biases`` triple by a dense
+    float32 ``X.weight``, in place: ``q * float32(scale) + float32(bias)``, the exact float32
+    values whatever dtype the scales are stored in. Each module's group size and bits come from
+    ``quantization`` (per-module overrides included) or ``group_size`` / ``bits`` (None: from
+    the packed widths); see :func:`quantized_modules`, whose checks name the tensor and file."""
+    if quantization is None:
+        quantization = Quantization(QuantSpec(group_size, bits))
+    specs = quantized_modules(
+        weights, quantization, in_dims=in_dims, path=path, sources=sources, error=error
+    )
+    for base, (group, layer_bits) in specs.items():
+        packed = weights[base + ".weight"]
+        scales = weights.pop(base + ".scales").astype(mx.float32)
+        biases = weights.pop(base + ".biases").astype(mx.float32)
+        try:
+            dense = mx.dequantize(packed, scales, biases, group_size=group, bits=layer_bits)
+        except (ValueError, RuntimeError) as exc:
+            raise (error or CorruptModelFile)(
+                f"cannot dequantize ({layer_bits}-bit, group {group}): {exc}",
+                path=(sources or {}).get(base + ".weight", path),
+                tensor=base + ".weight",
+            ) from None
+        weights[base + ".weight"] = dense
 
 
 def check_and_load(

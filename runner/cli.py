@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noop-model", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--noop-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--fault-id", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--head-fault-after", type=positive_int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--max-line-bytes",
         type=positive_int,
@@ -149,6 +150,7 @@ def engine_factory(args: argparse.Namespace):
             weight_layout=args.weight_layout,
             row_layout=args.row_layout,
             compile=not args.no_compile,
+            head_fault_after=args.head_fault_after,
         )
         return Engine(options, progress=progress)
 

@@ -115,7 +115,7 @@ class PlainDecoder:
         position = self.position
         hidden = self.model.hidden(tokens[None], self.caches)
         logits = self.model.unembed(hidden[:, -1])[0]
-        nxt = self.sampler.sample(logits).reshape(1)
+        nxt = self.sampler.sample(logits, slot=position + tokens.shape[0]).reshape(1)
         lp = None
         if self.top_logprobs is not None:
             lp = self.sampler.logprobs(logits, nxt, self.top_logprobs)

@@ -5,11 +5,14 @@ step in the one order that is valid: weights first (packing, fused projections, 
 layout), compiled blocks last, because compiled parts keep the weights they traced. It returns
 a ``Tuning`` record; the engine reports it and nothing else probes a model for its layout.
 
-- CPU: dense weights stored transposed (``x @ Wt``: one-row products, the whole of a decode
-  step, skip a per-call transpose in the BLAS), q/k/v and gate/up fused into one product each,
-  an ``[out, in]`` copy of the o and down weights for verify rows where the BLAS runs them
-  faster that way (``blas.row_layout_pays``; only with a head), and the composed attention and
-  RoPE kernels (``mx.fast`` falls back to many small ops on the CPU).
+- CPU: q/k/v and gate/up fused into one product each, and every product's weight in the
+  column panels of ``runner.native``'s few-row product, which reads each weight once for all
+  the rows of a feed (verify rows cost about one row; prefill chunks run on every core);
+  without the native build, dense weights stored transposed (``x @ Wt``: one-row products
+  skip a per-call transpose in the BLAS) and an ``[out, in]`` copy of the o and down weights
+  for verify rows where the BLAS runs them faster that way (``blas.row_layout_pays``; only
+  with a head). The composed attention and RoPE kernels (``mx.fast`` falls back to many small
+  ops on the CPU).
 - GPU: the Hugging Face layout and ``mx.fast``'s fused attention and RoPE.
 - Both: each block's fixed-shape parts ``mx.compile``d for decode and verify rows.
 
@@ -71,16 +74,17 @@ def tune(
     """Lay out and compile ``model`` (a ``runner.models`` model) and ``head`` (its MTP head)
     for the default device, once, right after loading; return what was applied.
 
-    ``layout``: "auto" (packed on the CPU, the Hugging Face layout on a GPU), "hf", "packed"
-    or "panels" (packed, then every product whose width allows it in the native few-row
-    product's panels). ``row_layout`` None: where the BLAS gains from it. ``fast_kernels``
-    None: on a GPU only (tests force either path on the CPU).
+    ``layout``: "auto" (on the CPU panels when ``runner.native`` is built, else packed; the
+    Hugging Face layout on a GPU), "hf", "packed" or "panels" (packed, then every product
+    whose width allows it in the native few-row product's panels). ``row_layout`` None:
+    where the BLAS gains from it. ``fast_kernels`` None: on a GPU only (tests force either
+    path on the CPU).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     cpu = on_cpu()
     if layout == "auto":
-        layout = "packed" if cpu else "hf"
+        layout = ("panels" if native.available() else "packed") if cpu else "hf"
     if layout == "panels" and not (cpu and native.available()):
         raise ValueError(f"the panel layout needs runner.native on the CPU: {native.reason()}")
     fast = (not cpu) if fast_kernels is None else fast_kernels

@@ -31,6 +31,7 @@ from runner.decoder import Cancelled, PlainDecoder, PlainLoop, decode_plain, pre
 from runner.emit import OPEN_MARKER, Emitter
 from runner.heads import load_draft_head
 from runner.loader import LoadedModel, load_model
+from runner.models import feed_dependent
 from runner.sampler import Sampler, SamplingParams
 
 log = logging.getLogger("mtp_runner.engine")
@@ -71,6 +72,7 @@ class EngineOptions:
     row_layout: bool | None = None
     # Compile the fixed-shape parts of each block for decode and verify rows (runner.device).
     compile: bool = True
+    head_fault_after: int | None = None  # test hook: the head fails on its n-th call a request
 
 
 @dataclass
@@ -132,7 +134,14 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.caches = self.model.make_caches()
         head, mtp_detail = None, "no draft head (disabled by --no-draft)"
-        if options.use_draft:
+        # A feed-dependent model (dynamic or longrope RoPE) computes what its reference
+        # computes only when every prompt is one forward and decoding one token per forward:
+        # no speculation, no prefix cache, no prefill chunks.
+        self.feed_dependent = feed_dependent(self.model)
+        if self.feed_dependent:
+            mtp_detail = "no speculation: the model's RoPE depends on how tokens are fed"
+            log.info("%s; prefix cache and prefill chunks off too", mtp_detail)
+        elif options.use_draft:
             head, mtp_detail = load_draft_head(self.loaded, options.draft_path)
         self.tuning = device.tune(
             self.model, head, layout=options.weight_layout, row_layout=options.row_layout,
@@ -141,8 +150,10 @@ class Engine:
         self.speculation: Speculation | None = None
         if head is not None:
             self.speculation = Speculation(
-                head, max_depth=options.max_draft, fixed_depth=options.draft_depth
-            )
+                head, max_depth=options.max_draft, fixed_depth=options.draft_depth,
+                fault_after=options.head_fault_after,
+            )  # fmt: skip
+        log.info("device tuning: %s", self.tuning.describe())
         if self.tuning.compiled:
             self._warm_up(report)
         self.all_caches = [*self.caches] + ([self.draft_cache] if self.draft_cache else [])
@@ -157,6 +168,10 @@ class Engine:
             tuning=self.tuning.describe(),
         )
         self.active: str | None = None
+
+    @property
+    def _prefill_chunk(self) -> int:
+        return self.info.context_length if self.feed_dependent else self.options.prefill_chunk
 
     @property
     def head(self):
@@ -187,7 +202,7 @@ class Engine:
         # valid for the draft cache too (its slot S depends on token S+1).
         return PrefixCache(
             self.all_caches, budget, pair_keys=self.draft_cache is not None,
-            enabled=self.options.prefix_cache,
+            enabled=self.options.prefix_cache and not self.feed_dependent,
         )  # fmt: skip
 
     # ----------------------------------------------------------------- any thread
@@ -342,7 +357,7 @@ class Engine:
         try:
             prefill(
                 self.model, self.caches, remaining[:-1], session.cached,
-                chunk=self.options.prefill_chunk, cancelled=cancelled, on_commit=on_commit,
+                chunk=self._prefill_chunk, cancelled=cancelled, on_commit=on_commit,
             )  # fmt: skip
         except Cancelled:
             # Keep what prefill finished; level the draft cache with the next prompt token.

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture, UnsupportedTokenizer
+from runner.models.config import refuse
 from runner.tokenizer import Tokenizer
 
 # Q4_0/Q4_1/Q8_0 blocks as mx.load hands them over.
@@ -105,11 +106,25 @@ def gguf_config(meta: dict, path: str) -> dict:
     key_len = get("attention.key_length")
     if key_len is not None:
         config["head_dim"] = int(key_len)
+    head_dim = config.get("head_dim") or hidden // heads
+    # Keys that change the math and that this mapping does not carry over are refused by name
+    # (the rule of runner.models.config, which reads the config this function returns).
+    rotated = get("rope.dimension_count")
+    if rotated is not None and int(rotated) != head_dim:
+        raise refuse(
+            f"{arch}.rope.dimension_count", rotated, f"partial rotary (head {head_dim})", path
+        )
+    experts = get("expert_count")
+    if experts:
+        raise refuse(f"{arch}.expert_count", experts, "mixture-of-experts blocks", path)
+    window = get("attention.sliding_window")
+    if window and int(window) < config["max_position_embeddings"]:
+        raise refuse(f"{arch}.attention.sliding_window", window, "sliding windows in GGUF", path)
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
-        raise UnsupportedArchitecture(f"unsupported GGUF rope scaling {scaling!r}", path=path)
+        raise refuse(f"{arch}.rope.scaling.type", scaling, "GGUF RoPE scaling: linear only", path)
     vocab = get("vocab_size")
     tokens = meta.get("tokenizer.ggml.tokens")
     config["vocab_size"] = int(vocab) if vocab is not None else len(tokens or [])

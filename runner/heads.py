@@ -31,8 +31,8 @@ from drafting.weights import dequantize
 from protocol.errors import DraftHeadError
 from runner import default_model
 from runner.loader import LoadedModel
+from runner.models import head_layer
 from runner.models.layers import Linear
-from runner.models.llama import DecoderLayer
 
 log = logging.getLogger("mtp_runner.heads")
 
@@ -151,6 +151,16 @@ def _check_target(loaded: LoadedModel, sidecar: Sidecar) -> None:
             )
 
 
+def _layer_overrides(mapped: dict[str, mx.array]) -> dict:
+    """``drafting.load.layer_overrides`` plus the MLP width of a fused ``gate_up_proj`` block
+    (Phi-3's family)."""
+    overrides = layer_overrides(mapped)
+    gate_up = mapped.get("layers.0.mlp.gate_up_proj.weight")
+    if gate_up is not None and gate_up.ndim == 2 and "intermediate_size" not in overrides:
+        overrides["intermediate_size"] = int(gate_up.shape[0]) // 2
+    return overrides
+
+
 def _build(
     loaded: LoadedModel,
     weights: dict[str, mx.array],
@@ -160,16 +170,17 @@ def _build(
     norm_shift: bool,
     layers: int | None = None,
 ) -> MTPHead:
-    """Build the head's block from the target's family and load the mapped weights (in the
-    Hugging Face layout, like the target: ``runner.device.tune`` lays out both)."""
+    """Build the head's block from the target's family (its ``head_layer``) and load the
+    mapped weights (in the Hugging Face layout, like the target: ``runner.device.tune`` lays
+    out both)."""
     model = loaded.model
     layers = layers or model.args.num_hidden_layers
     mapped, origin = map_weights(weights, naming, layers)
     if any(name.endswith(".scales") for name in mapped):
         quant = loaded.config.get("quantization") or {}
         dequantize(mapped, int(quant.get("group_size", 64)))
-    args = dataclasses.replace(model.args, **layer_overrides(mapped))
-    head = MTPHead(config, DecoderLayer(args), model.embed, model.output_weight, linear=Linear)
+    args = dataclasses.replace(model.args, **_layer_overrides(mapped))
+    head = MTPHead(config, head_layer(model, args), model.embed, model.output_weight, linear=Linear)
     load_head_weights(
         head, mapped, origin, naming=naming, num_hidden_layers=layers, path=path,
         dtype=loaded.dtype, norm_shift=norm_shift,

@@ -10,11 +10,27 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-from drafting.weights import check_and_load, dequantize, read_json, read_safetensors
-from protocol.errors import CorruptModelFile, LoadError, ModelFileMissing, TokenizerMissing
+from drafting.weights import (
+    Quantization,
+    QuantSpec,
+    check_and_load,
+    dequantize,
+    quantized_modules,
+    read_json,
+    read_safetensors,
+)
+from protocol.errors import (
+    CorruptModelFile,
+    LoadError,
+    ModelFileMissing,
+    TokenizerMissing,
+    UnsupportedArchitecture,
+)
 from runner import gguf
 from runner.models import build_model
+from runner.models import config as config_reader
 from runner.models.llama import Model
 from runner.tokenizer import Tokenizer
 
@@ -24,6 +40,13 @@ Progress = Callable[[str, int, int], None]
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Prefixes of inline MTP heads; kept aside for drafting/ to pick up.
 MTP_PREFIXES = ("mtp.", "model.mtp_layers.", "model.mtp.")
+# Where composite (text_config) checkpoints keep the language model's tensors: transformers 5,
+# then older llava-style files and mlx-vlm. Other tensors (a vision tower) stay unused extras.
+TEXT_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 
 
 @dataclass
@@ -78,18 +101,55 @@ def _weight_files(directory: str) -> list[str]:
     return files
 
 
-def quantize_model(model: nn.Module, weights: dict[str, mx.array], group_size: int) -> None:
-    """Turn the layers whose weights arrive quantized into QuantizedLinear/QuantizedEmbedding."""
+def text_name(name: str) -> str:
+    """A composite checkpoint's language-model tensor (or module) under its plain name."""
+    for prefix, plain in TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return plain + name[len(prefix) :]
+    return name
+
+
+def input_widths(model: nn.Module) -> dict[str, int]:
+    """``module path -> input width`` of every module with a weight (a quantized triple's
+    shapes are checked against it)."""
+    return {
+        name[: -len(".weight")]: int(value.shape[-1])
+        for name, value in tree_flatten(model.parameters())
+        if name.endswith(".weight") and value.ndim >= 2
+    }
+
+
+def quantize_model(
+    model: nn.Module, weights: dict[str, mx.array], specs: dict[str, tuple[int, int]] | int
+) -> None:
+    """Turn the layers whose weights arrive quantized into QuantizedLinear/QuantizedEmbedding,
+    each with its own group size and bits (``specs``: module path -> (group_size, bits), from
+    ``drafting.weights.quantized_modules``; an int is one group size for every layer)."""
+    if isinstance(specs, int):
+        specs = quantized_modules(weights, Quantization(QuantSpec(specs)))
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
-        scales = weights.get(f"{path}.scales")
-        if scales is None or not hasattr(module, "to_quantized"):
+        spec = specs.get(path)
+        if spec is None or not hasattr(module, "to_quantized"):
             return False
-        packed = weights[f"{path}.weight"]
-        bits = (packed.shape[-1] * 32) // (scales.shape[-1] * group_size)
-        return {"group_size": group_size, "bits": bits}
+        return {"group_size": spec[0], "bits": spec[1], "mode": "affine"}
 
-    nn.quantize(model, group_size=group_size, class_predicate=predicate)
+    nn.quantize(model, class_predicate=predicate)
+
+
+def refuse_unused_parameters(
+    model: nn.Module, extras: dict[str, mx.array], sources: dict[str, str], path: str
+) -> None:
+    """A tensor of a module the model has but a parameter the config does not give it (a bias
+    where the config says none) would change the math if used: refuse it by name."""
+    modules = {name for name, _ in model.named_modules()}
+    for name in extras:
+        module = name.rpartition(".")[0]
+        if module and module in modules:
+            raise UnsupportedArchitecture(
+                "tensor not used by the model the config describes (e.g. a bias where the "
+                "config has none)", path=sources.get(name, path), tensor=name,
+            )  # fmt: skip
 
 
 def load_model(
@@ -119,27 +179,41 @@ def load_model(
                     raise CorruptModelFile("not a GGUF file or model directory", path=path)
         config, weights, tokenizer, name = gguf.read_checkpoint(path, report)
         model = build_model(config, path=path)
-        sources, group_size, bits = {}, gguf.GROUP_SIZE, None
+        sources, quantization = {}, Quantization(QuantSpec(gguf.GROUP_SIZE), key="GGUF")
     else:
         config_path = os.path.join(path, "config.json")
         config = read_json(config_path)
-        model = build_model(config, path=config_path)  # refuse before reading any weights
+        # Refuse before reading any weights.
+        model = build_model(config, path=config_path)
+        quantization = Quantization.from_config(config, path=config_path)
         weights, sources, tokenizer, name = _read_directory(path, config, report)
-        quant = config.get("quantization") or config.get("quantization_config") or {}
-        group_size, bits = int(quant.get("group_size", 64)), quant.get("bits")
+        if config_reader.is_nested(config):
+            weights = {text_name(k): v for k, v in weights.items()}
+            sources = {text_name(k): v for k, v in sources.items()}
+            if quantization is not None:
+                quantization = quantization.renamed(text_name)
     if model.args.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    quantized = any(k.endswith(".scales") for k in weights)
+        # The embedding is the head (transformers ignores a stored one too), quantized or not.
+        for suffix in ("weight", "scales", "biases"):
+            weights.pop(f"lm_head.{suffix}", None)
+    specs = quantized_modules(
+        weights, quantization, in_dims=input_widths(model), path=path, sources=sources
+    )
+    quantized = bool(specs)
     if quantized and keep_quantized:
-        quantize_model(model, weights, group_size)
+        quantize_model(model, weights, specs)
     elif quantized:
         report("dequantize", 0, 1)
-        dequantize(weights, group_size, bits)
+        dequantize(
+            weights, quantization=quantization, in_dims=input_widths(model), path=path,
+            sources=sources,
+        )  # fmt: skip
     extras = check_and_load(model, weights, path=path, sources=sources, dtype=target_dtype)
+    refuse_unused_parameters(model, extras, sources, path)
     report("ready", 1, 1)
     return LoadedModel(
         model=model, tokenizer=tokenizer, config=config, name=str(name), path=path,
-        context_length=int(config.get("max_position_embeddings") or 4096), dtype=target_dtype,
+        context_length=int(model.args.max_position_embeddings), dtype=target_dtype,
         quantized=quantized and keep_quantized, extra_weights=extras,
     )  # fmt: skip
 

@@ -19,17 +19,18 @@ top-p -> min-p -> renormalise -> draw. Edge values and ties, exactly:
   the k kept tokens are sorted.
 - min-p (``min_p > 0``): drops tokens with probability < min_p * max probability; values >= 1
   keep only the most probable token(s).
-- draw: inverse CDF with one uniform per row over the cumulative sum in token-id order; it
-  never returns a zero-probability token. ``sample`` walks only the kept top-k entries, which
-  gives the same partial sums as the dense row (adding exact zeros changes nothing).
-- greedy: the first (lowest id) argmax of the penalised logits; no randomness is consumed.
-- a row with no finite mass (all -inf, or NaN) draws token 0 rather than raising.
+- draw: Gumbel-max, ``argmax(log p + G)`` over the kept tokens, where ``G`` is standard Gumbel
+  noise keyed by the request's seed and the *slot* (cache position) the token will occupy, and
+  by the token id: the same (seed, slot, id) always gets the same noise, whatever was drawn
+  before, whichever rows share the call and whoever asks (the target's verify rows and the
+  draft head draw with the same noise, which is what makes speculation invisible in seeded
+  output; see ``drafting.accept``). A zero-probability token is never drawn.
+- greedy: the first (lowest id) argmax of the penalised logits; no noise.
+- a row with no finite mass (all -inf, or NaN) draws token 0 (with top-k: its lowest kept id)
+  rather than raising.
 
-RNG: one key stream per request (``mx.random.key(seed)``, or from ``os.urandom`` when
-unseeded). Each random call (``sample``, ``draw``, ``uniform``) splits off the next key in call
-order, so a seeded request is reproducible whatever ran before it; MLX's global RNG is never
-used. ``sample(row)`` returns exactly ``draw(distributions(row))`` for the same key state (a test
-pins it): speculative decoding relies on ``distributions`` being what plain sampling draws from.
+Unseeded requests take a random seed from ``os.urandom`` at the start and then work the same
+way; MLX's global RNG is never used.
 """
 
 from __future__ import annotations
@@ -42,6 +43,64 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 _U64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GOLDEN64) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
+def slot_keys(seed: int, first_slot: int, rows: int) -> mx.array:
+    """[rows, 2] uint32 noise keys of slots ``first_slot ..`` under ``seed`` (host-side)."""
+    keys = []
+    for slot in range(first_slot, first_slot + rows):
+        h = _splitmix64(_splitmix64(seed & _U64) ^ (slot & _U64))
+        keys.append([h & 0xFFFFFFFF, h >> 32])
+    return mx.array(keys, dtype=mx.uint32)
+
+
+def _mix32(x: mx.array) -> mx.array:
+    """MurmurHash3's 32-bit finaliser (a bijection that mixes every bit)."""
+    x = x ^ (x >> 16)
+    x = x * mx.array(0x85EBCA6B, dtype=mx.uint32)
+    x = x ^ (x >> 13)
+    x = x * mx.array(0xC2B2AE35, dtype=mx.uint32)
+    return x ^ (x >> 16)
+
+
+def exponential_noise(keys: mx.array, ids: mx.array) -> mx.array:
+    """Standard exponential noise [R, N] for token ``ids`` [R, N] (or [N]) under ``keys``
+    [R, 2]: a counter-based hash of (key, id), so any subset of a row's tokens costs only its
+    size and gets the values the whole row would."""
+    x = ids.astype(mx.uint32) * mx.array(0x9E3779B1, dtype=mx.uint32)
+    x = _mix32(x ^ keys[:, :1])
+    x = _mix32(x ^ keys[:, 1:])
+    # 23 bits: (n + 0.5) / 2**23 is exact in float32, so u stays strictly inside (0, 1).
+    u = ((x >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
+    return -mx.log(u)
+
+
+def gumbel_noise(keys: mx.array, ids: mx.array) -> mx.array:
+    """Standard Gumbel noise, ``-log`` of :func:`exponential_noise`."""
+    return -mx.log(exponential_noise(keys, ids))
+
+
+def _gumbel_pick(probs: mx.array, ids: mx.array | None, keys: mx.array) -> mx.array:
+    """The Gumbel-max draw ``argmax(log p + G)`` per row [R] int32, in token ids (``ids``:
+    sparse top-k rows), computed as the equal ``argmin(E / p)`` with ``E = exp(G)`` exponential
+    noise: one logarithm per token instead of three."""
+    columns = ids if ids is not None else mx.arange(probs.shape[-1], dtype=mx.int32)
+    pick = mx.argmin(exponential_noise(keys, columns) / probs, axis=-1).astype(mx.int32)
+    if ids is None:
+        return pick
+    return mx.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(mx.int32)
+
+
+_pick_dense = mx.compile(lambda probs, keys: _gumbel_pick(probs, None, keys))
+_pick_sparse = mx.compile(_gumbel_pick)
 
 
 @dataclass(frozen=True)
@@ -82,18 +141,6 @@ def _rank_key(logits: mx.array) -> mx.array:
     ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
     ids = mx.arange(logits.shape[-1], dtype=mx.int64)
     return ordered * (1 << 32) + ((1 << 32) - 1 - ids)
-
-
-def inverse_cdf(probs: mx.array, u: mx.array) -> mx.array:
-    """Index of the first token whose cumulative mass exceeds ``u * total``, per row.
-
-    ``probs`` [R, N] (need not be normalised), ``u`` [R] in [0, 1). The second condition
-    catches ``u * total`` rounding up to the total; both only hold on a token with mass.
-    """
-    cdf = mx.cumsum(probs, axis=-1)
-    total = cdf[:, -1:]
-    hit = (cdf > u[:, None] * total) | (cdf >= total)
-    return mx.argmax(hit.astype(mx.uint8), axis=-1).astype(mx.int32)
 
 
 def filter_rows(
@@ -169,26 +216,14 @@ class Sampler:
         else:
             self._history = None
         seed = params.seed
-        if seed is None or seed < 0:
+        if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
-        self._key = mx.random.key(int(seed) & _U64)
+        self.seed = int(seed) & _U64
 
     @property
     def penalises(self) -> bool:
         """Some penalty rewrites logits (so a greedy pick is not the raw argmax)."""
         return self._window > 0
-
-    # -- the key stream -------------------------------------------------------------------
-
-    def _next_key(self) -> mx.array:
-        self._key, key = mx.random.split(self._key)
-        return key
-
-    def uniform(self, shape) -> mx.array:
-        """Uniforms in [0, 1) from the request's key stream (speculative acceptance)."""
-        return mx.random.uniform(
-            shape=tuple(shape) if not isinstance(shape, int) else (shape,), key=self._next_key()
-        )
 
     # -- history --------------------------------------------------------------------------
 
@@ -200,14 +235,17 @@ class Sampler:
         self._history = joined[-self._window :]
 
     def _windows(self, rows: int, chain) -> mx.array:
-        """[rows, W] penalty windows, rows aligned to the end of the chain.
+        """[rows, W] penalty windows ([1, W] when every row sees the history alone).
 
         With a chain of L tokens, row i sees history + chain[:L - rows + 1 + i]: verification
         (L = rows - 1) gives row i the first i drafts, and a single draft step (rows = 1) sees
-        the whole chain drafted so far.
+        the whole chain drafted so far. Without a chain every row sees the history alone
+        (independent rows of one context).
         """
-        extra = _as_tokens(chain) if chain is not None else None
-        length = 0 if extra is None else extra.shape[0]
+        if chain is None:
+            return self._history[None]
+        extra = _as_tokens(chain)
+        length = extra.shape[0]
         if length < rows - 1:
             raise ValueError(f"chain has {length} tokens, {rows} rows need at least {rows - 1}")
         if length == 0:
@@ -274,38 +312,36 @@ class Sampler:
         """Raw logits [R, V] -> penalised logits [R, V] float32 (row i sees ``chain[:i]``)."""
         return self._penalise(self._rows(logits), chain)
 
-    def sample(self, logits: mx.array) -> mx.array:
-        """Raw logits [V] or [1, V] -> lazy int32 token (scalar or [1]); one key unless greedy."""
+    def sample(self, logits: mx.array, slot: int) -> mx.array:
+        """Raw logits [V] or [1, V] -> lazy int32 token (scalar or [1]) for cache slot ``slot``."""
+        return self.tokens(logits, None, slot=slot).reshape(logits.shape[:-1])
+
+    def tokens(self, logits: mx.array, chain=None, *, slot: int) -> mx.array:
+        """Raw logits [R, V] -> the R drawn tokens [R] int32 (lazy), row i's for cache slot
+        ``slot + i`` and penalised as in :meth:`distributions` (with a chain, verification's
+        alignment; without one, every row sees the history alone). Greedy: the penalised
+        argmax."""
         rows = self._rows(logits)
-        penalised = self._penalise(rows, None)
+        penalised = self._penalise(rows, chain)
         if self.greedy:
-            token = mx.argmax(penalised, axis=-1).astype(mx.int32)
-        else:
-            probs, ids = self._filter(penalised)
-            token = inverse_cdf(probs, self.uniform((rows.shape[0],)))
-            if ids is not None:
-                token = mx.take_along_axis(ids, token[:, None], axis=-1)[:, 0]
-        return token.reshape(logits.shape[:-1])
+            return mx.argmax(penalised, axis=-1).astype(mx.int32)
+        probs, ids = self._filter(penalised)
+        keys = slot_keys(self.seed, slot, rows.shape[0])
+        return _pick_dense(probs, keys) if ids is None else _pick_sparse(probs, ids, keys)
 
     def distributions(self, logits: mx.array, chain=None) -> mx.array:
         """Raw logits [R, V] -> processed probabilities [R, V] float32.
 
-        Row i is penalised as if ``chain[:i]`` had been appended to the history (``chain``:
-        ints or an int32 array, possibly lazy, of length >= R - 1). Greedy gives a one-hot row
-        at the penalised argmax.
+        Rows are aligned to the end of ``chain`` (ints or an int32 array, possibly lazy): with
+        R - 1 tokens, row i sees the history and ``chain[:i]``; with more, a single row sees
+        them all; without a chain, every row the history alone. Greedy gives a one-hot row at
+        the penalised argmax.
         """
         rows = self._rows(logits)
         penalised = self._penalise(rows, chain)
         if self.greedy:
             return self._one_hot(mx.argmax(penalised, axis=-1))
         return self._dense(*self._filter(penalised))
-
-    def draw(self, probs: mx.array) -> mx.array:
-        """Probabilities [R, V] -> [R] int32 draws with one key (argmax and no key if greedy)."""
-        rows = probs.reshape(-1, probs.shape[-1])
-        if self.greedy:
-            return mx.argmax(rows, axis=-1).astype(mx.int32)
-        return inverse_cdf(rows, self.uniform((rows.shape[0],)))
 
     def logprobs(self, logits: mx.array, token, top_n: int) -> tuple[mx.array, mx.array, mx.array]:
         """Log-softmax of the raw logits: (chosen logprob, top_n ids, top_n logprobs), lazy.

@@ -44,6 +44,7 @@ PROMPTS = [
 MODES = {
     "greedy": {"temperature": 0.0, "repeat_penalty": 1.0},
     "T=0.7": {"temperature": 0.7, "seed": 1, "repeat_penalty": 1.0},
+    "T=1.0": {"temperature": 1.0, "seed": 1, "repeat_penalty": 1.0},
     "greedy+rp": {"temperature": 0.0},
 }
 
@@ -75,6 +76,7 @@ def main() -> int:
     parser.add_argument("--draft", default=None, help="head sidecar (default: the shipped one)")
     parser.add_argument("--random-head", action="store_true")
     parser.add_argument("--depth", type=int, default=None, help="fixed depth (default adaptive)")
+    parser.add_argument("--weight-layout", default="auto", help="as the runner's option")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--modes", default="greedy,T=0.7", help=f"comma list of {list(MODES)}")
@@ -90,7 +92,12 @@ def main() -> int:
         from runner.loader import load_model
 
         draft = random_head_dir(load_model(model))
-    engine = Engine(EngineOptions(model_path=model, draft_path=draft, draft_depth=args.depth))
+    engine = Engine(
+        EngineOptions(
+            model_path=model, draft_path=draft, draft_depth=args.depth,
+            weight_layout=args.weight_layout,
+        )
+    )  # fmt: skip
     if engine.head is None:
         print(f"no draft head: {engine.info.mtp_detail}", file=sys.stderr)
         return 1
@@ -100,7 +107,11 @@ def main() -> int:
     run_one(engine, "Hello!", False, 8, {"temperature": 0.0})
     run_one(engine, "Hello!", True, 8, {"temperature": 0.0})
 
-    report: dict = {"head": engine.info.mtp_detail, "tokens": args.tokens, "modes": {}}
+    print(f"tuning: {engine.info.tuning}")
+    report: dict = {
+        "head": engine.info.mtp_detail, "tuning": engine.info.tuning, "tokens": args.tokens,
+        "modes": {},
+    }  # fmt: skip
     rows = []
     for mode in args.modes.split(","):
         sampling = MODES[mode]

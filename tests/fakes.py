@@ -5,9 +5,9 @@ The fake's outputs are pure functions of the fed token sequence, so they do not 
 tokens were batched into feeds: the target's "hidden" after a prefix is
 ``("target", len, digest)``, its next-token distribution a function of the decode suffix, and
 the draft head's hiddens are tagged ``"head"`` so a pair built from them can never pass for one
-built from a target hidden. Acceptance runs through ``drafting.accept`` on MLX arrays (greedy:
-``greedy_decision``; sampled: ``speculate`` with the request's sampler), exactly as the real
-seam does. Every operation is logged in order; any operation can be armed to fail on its n-th
+built from a target hidden. Draws go through the request's sampler keyed by slot and acceptance
+through ``drafting.accept.matched_decision`` on MLX arrays, exactly as the real seam does.
+Every operation is logged in order; any operation can be armed to fail on its n-th
 call with one of the seam's error classes.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from drafting.accept import greedy_decision, speculate
+from drafting.accept import matched_decision
 from drafting.depth import FixedDepth
 from drafting.rounds import HeadError, HostError, Replay, RoundDriver, TargetError, Verification
 from runner.emit import Step
@@ -93,7 +93,6 @@ def expected_pairs(fed: Seq) -> list[tuple]:
 @dataclass
 class FakeProposal:
     drafts: list[int]
-    q: np.ndarray  # [k, V]
 
 
 @dataclass
@@ -102,33 +101,27 @@ class FakeRows:
 
 
 class _LoggedSampler:
-    """Forwards ``draw``/``uniform`` to the request's sampler and logs every key it uses."""
+    """Forwards draws to the request's sampler and logs the slots of the noised ones."""
 
     def __init__(self, inner, log: list) -> None:
         self.inner = inner
         self.greedy = bool(getattr(inner, "greedy", False))
         self._log = log
 
-    def draw(self, probs: mx.array) -> mx.array:
+    def tokens(self, logits: mx.array, chain=None, *, slot: int) -> mx.array:
+        rows = logits.reshape(-1, logits.shape[-1]).shape[0]
         if not self.greedy:
-            self._log.append(("rng", "draw", int(np.prod(probs.shape[:-1]))))
-        return self.inner.draw(probs)
-
-    def uniform(self, shape) -> mx.array:
-        self._log.append(("rng", "uniform", tuple(shape)))
-        return self.inner.uniform(shape)
+            self._log.append(("rng", "draw", slot, rows))
+        return self.inner.tokens(logits, chain, slot=slot)
 
 
 class GreedyDraws:
-    """A sampler for greedy requests: argmax, and any request for randomness is a bug."""
+    """A sampler for greedy requests: the argmax of every row, never a noised draw."""
 
     greedy = True
 
-    def draw(self, probs: mx.array) -> mx.array:
-        return mx.argmax(probs.reshape(-1, probs.shape[-1]), axis=-1).astype(mx.int32)
-
-    def uniform(self, shape) -> mx.array:
-        raise AssertionError("a greedy round asked for uniforms")
+    def tokens(self, logits: mx.array, chain=None, *, slot: int) -> mx.array:
+        return mx.argmax(logits.reshape(-1, logits.shape[-1]), axis=-1).astype(mx.int32)
 
 
 class FakeOps:
@@ -205,10 +198,13 @@ class FakeOps:
             return np.asarray(self.draft_probs(seq), dtype=np.float32)
         return one_hot(self.vocab, self.draft(seq))
 
-    def _pick(self, row: np.ndarray) -> int:
+    def _pick(self, row: np.ndarray, slot: int) -> int:
+        """The request's draw from the distribution ``row`` for cache slot ``slot``."""
         if self.sampler.greedy:
             return int(np.argmax(row))
-        return int(self.sampler.draw(mx.array(row)[None]).item())
+        with np.errstate(divide="ignore"):
+            logits = mx.array(np.log(row))[None]
+        return int(self.sampler.tokens(logits, slot=slot).item())
 
     def _feed(self, tokens: Seq) -> FakeRows:
         if self.poisoned:
@@ -264,18 +260,16 @@ class FakeOps:
         assert self.head_ready, "head_step on a head that is not ready"
         seq = [*self.decode, current]
         prev = self.frontier
-        drafts, rows = [], []
-        for _ in range(k):
+        drafts = []
+        for i in range(k):
             self.pairs.append((seq[-1], prev))  # speculative entry, above the committed pairs
             if kind is not None:
                 raise HostError("fake head host fault")
             prev = head_hidden(len(self.pairs), seq)
-            row = self._draft_row(seq)
-            token = self._pick(row)
+            token = self._pick(self._draft_row(seq), self.position + 1 + i)
             drafts.append(token)
-            rows.append(row)
             seq.append(token)
-        return FakeProposal(drafts, np.stack(rows))
+        return FakeProposal(drafts)
 
     def verify_feed(self, current: int, proposal: FakeProposal | None) -> Verification:
         drafts = proposal.drafts if proposal is not None else []
@@ -291,15 +285,13 @@ class FakeOps:
             self._feed(tokens)
             self.poisoned = True
             raise HeadError("fake draft evaluation fault")
-        seq = list(self.decode)
+        seq, entry = list(self.decode), self.position
         rows = self._feed(tokens)
-        p = np.stack([self._target_row([*seq, *tokens[: i + 1]]) for i in range(len(tokens))])
-        d = mx.array(drafts, dtype=mx.int32)
-        if self.sampler.greedy:
-            decision = greedy_decision(mx.array(p), d)
-        else:
-            q = proposal.q if proposal is not None else np.zeros((0, self.vocab), np.float32)
-            decision = speculate(mx.array(p), mx.array(q), d, self.sampler)
+        target = [
+            self._pick(self._target_row([*seq, *tokens[: i + 1]]), entry + 1 + i)
+            for i in range(len(tokens))
+        ]
+        decision = matched_decision(mx.array(target), mx.array(drafts, dtype=mx.int32))
         mx.eval(decision)
         accept = [bool(a) for a in decision.accept.tolist()]
         successors = [int(s) for s in decision.successors.tolist()]
@@ -316,7 +308,7 @@ class FakeOps:
             self.poisoned = True
             raise TargetError("fake replay fault")
         rows = self._feed(tokens)
-        drawn = self._pick(self._target_row(self.decode)) if successor else None
+        drawn = self._pick(self._target_row(self.decode), self.position) if successor else None
         if kind is not None:
             raise HostError("fake replay host fault", drawn if kind == "host" else None)
         return Replay(drawn, rows)
@@ -407,19 +399,6 @@ def seeded_sampler(seed: int, vocab: int) -> Sampler:
     """The real sampler at temperature 1 with no filters: draws straight from given rows."""
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, repeat_penalty=1.0, seed=seed)
     return Sampler(params, history=[], vocab_size=vocab, context_length=4096)
-
-
-class ScriptedUniforms:
-    """A sampler's draws with scripted acceptance uniforms."""
-
-    def __init__(self, inner, uniforms: Sequence[float]) -> None:
-        self.inner, self.greedy, self._uniforms = inner, False, list(uniforms)
-
-    def draw(self, probs: mx.array) -> mx.array:
-        return self.inner.draw(probs)
-
-    def uniform(self, shape) -> mx.array:
-        return mx.array(self._uniforms[: shape[0]], dtype=mx.float32)
 
 
 def spread(seed: int, vocab: int, banned: Sequence[int] = (2,)) -> ProbsFn:

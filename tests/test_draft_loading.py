@@ -75,9 +75,16 @@ def prefill_and_propose(loaded, head, k: int = 4, seed: int = 3):
     current = int(mx.argmax(logits[0, -1]).item())
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, repeat_penalty=1.0, seed=seed)
     sampler = Sampler(params, PROMPT, model.args.vocab_size, loaded.context_length)
-    proposal = ds.propose(current, k, sampler)
-    mx.eval(proposal.tokens, proposal.probs)
+    proposal = ds.propose(current, k, sampler, slot=len(PROMPT) + 1)
+    mx.eval(proposal.tokens)
     return proposal, ds, cache, caches
+
+
+def head_outputs(loaded, head) -> np.ndarray:
+    """The head's normed outputs for fixed random tokens and target hiddens."""
+    tokens = mx.array([[3, 99, 250, 7]])
+    hidden = mx.random.normal((1, 4, loaded.model.args.hidden_size), key=mx.random.key(5))
+    return np.array(head(tokens, hidden, KVCache()))
 
 
 # -- the three namings and sidecars ---------------------------------------------------------
@@ -92,17 +99,18 @@ def test_every_naming_and_a_sidecar_load_the_same_head(base, tmp_path):
         got, why = load_draft_head(target)
         assert got is not None and f"({naming} naming)" in why and "inline" in why
         assert got.config.hidden_first == (naming == "mimo")
-        results[naming] = prefill_and_propose(target, got)[0]
+        results[naming] = (prefill_and_propose(target, got)[0], head_outputs(target, got))
     side = sidecar(tmp_path / "side", head, loaded, naming="deepseek")
     got, why = load_draft_head(load_model(loaded.path), side)
     assert got is not None and side in why
-    results["sidecar"] = prefill_and_propose(load_model(loaded.path), got)[0]
+    target = load_model(loaded.path)
+    results["sidecar"] = (prefill_and_propose(target, got)[0], head_outputs(target, got))
 
-    want = results.pop("qwen3_next")
+    want, want_out = results.pop("qwen3_next")
     assert len(set(want.tokens.tolist())) > 1  # sampled over dense probabilities
-    for name, proposal in results.items():
+    for name, (proposal, out) in results.items():
         assert proposal.tokens.tolist() == want.tokens.tolist(), name
-        np.testing.assert_allclose(np.array(proposal.probs), np.array(want.probs), atol=1e-5)
+        np.testing.assert_allclose(out, want_out, atol=1e-5)
 
 
 def test_loaded_head_equals_the_unpacked_module(base, tmp_path):
@@ -168,7 +176,9 @@ def test_sidecar_draft_vocabulary_limits_the_drafts(base, tmp_path):
     proposal = prefill_and_propose(target, got, k=6)[0]
     assert set(proposal.tokens.tolist()) <= set(vocab)
     outside = np.setdiff1d(np.arange(target.model.args.vocab_size), vocab)
-    assert np.all(np.array(proposal.probs)[:, outside] == 0)
+    y = mx.random.normal((3, target.model.args.hidden_size), key=mx.random.key(2))
+    logits = np.array(got.draft_logits(y, target.model.unembed))
+    assert np.all(logits[:, outside] == -np.inf) and np.isfinite(logits[:, vocab]).all()
 
 
 # -- discovery ------------------------------------------------------------------------------
@@ -345,7 +355,7 @@ def drive(loaded, head, k: int = 3, rounds: int = 4):
         logits, hidden = model.forward(mx.array([chunk]), caches)
         ds.committed(chunk, hidden, position)
         position += len(chunk)
-    current = sampler.sample(logits[0, -1])
+    current = sampler.sample(logits[0, -1], slot=len(PROMPT))
     ds.settle(current)  # prefill done: level with the target
     assert cache.offset == ds.offset == caches[0].offset == len(PROMPT)
     current = int(current.item())
@@ -356,17 +366,17 @@ def drive(loaded, head, k: int = 3, rounds: int = 4):
         sampler.append(current)
         fed.append(current)
         position += 1
-        current = int(sampler.sample(logits[0, -1]).item())
+        current = int(sampler.sample(logits[0, -1], slot=position).item())
         out.append(current)
     assert ds.offset + ds.pending == position - 1 and cache.offset <= position
     accepted_counts = []
     for _ in range(rounds):
-        proposal = ds.propose(current, k, sampler)
+        proposal = ds.propose(current, k, sampler, slot=position + 1)
         logits, hidden = model.forward(
             mx.concatenate([mx.array([current], dtype=mx.int32), proposal.tokens])[None], caches
         )
-        target = sampler.distributions(logits[0], proposal.tokens)
-        drafts, best = proposal.tokens.tolist(), mx.argmax(target, axis=-1).tolist()
+        target = sampler.tokens(logits[0], proposal.tokens, slot=position + 1)
+        drafts, best = proposal.tokens.tolist(), target.tolist()
         accepted = 0
         while accepted < k and drafts[accepted] == best[accepted]:
             accepted += 1
@@ -434,8 +444,8 @@ def test_default_model_finds_its_shipped_head_or_says_why(default_loaded):
     logits, hidden = model.forward(mx.array([ids]), model.make_caches())
     ds.committed(ids, hidden, 0)
     sampler = Sampler(SamplingParams(temperature=0.0), ids, model.args.vocab_size, 2048)
-    proposal = ds.propose(mx.argmax(logits[0, -1]), 2, sampler)
-    mx.eval(proposal.tokens, proposal.probs, ds.cache.state)
-    assert proposal.probs.shape == (2, model.args.vocab_size)
-    assert np.allclose(np.array(proposal.probs.sum(axis=-1)), 1.0)
+    proposal = ds.propose(mx.argmax(logits[0, -1]), 2, sampler, slot=len(ids) + 1)
+    mx.eval(proposal.tokens, ds.cache.state)
+    assert proposal.tokens.shape == (2,)
+    assert all(0 <= t < model.args.vocab_size for t in proposal.tokens.tolist())
     assert ds.offset == ds.cache.offset - 1 == len(ids)

@@ -55,18 +55,17 @@ class ScriptedHead:
 
 
 class GreedySampler:
-    """The runner Sampler's distributions/draw contract at temperature 0: one-hot rows."""
+    """The runner Sampler's draw contract at temperature 0 (the argmax), recording the chain
+    and the slot of every draw."""
 
     def __init__(self):
         self.chains: list[list[int]] = []
+        self.slots: list[int] = []
 
-    def distributions(self, logits: mx.array, chain: mx.array) -> mx.array:
+    def tokens(self, logits: mx.array, chain: mx.array, *, slot: int) -> mx.array:
         self.chains.append(chain)
-        best = mx.argmax(logits, axis=-1, keepdims=True)
-        return (mx.arange(logits.shape[-1]) == best).astype(mx.float32)
-
-    def draw(self, probs: mx.array) -> mx.array:
-        return mx.argmax(probs, axis=-1).astype(mx.int32)
+        self.slots.append(slot)
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
 def draft_kv(cache: KVCache) -> tuple[list[int], list[int]]:
@@ -182,7 +181,7 @@ def run_greedy(ds, target, prompt, k, sampler, max_tokens=20):
     current, emitted = preds[-1], [preds[-1]]
     while current != EOS and len(emitted) < max_tokens:
         position = target.cache.offset
-        proposal = ds.propose(current, k, sampler)
+        proposal = ds.propose(current, k, sampler, slot=position + 1)
         drafts = proposal.tokens.tolist()
         preds, hiddens = target.feed([current, *drafts])
         accepted = 0
@@ -233,15 +232,15 @@ def test_rejection_rolls_back_speculative_entries_and_rewrites_them_from_target_
     ]
 
 
-def test_propose_returns_lazy_drafts_with_full_vocab_distributions():
+def test_propose_returns_lazy_drafts_drawn_for_consecutive_slots():
     chain = {1: 2, 2: 3, 3: 4, 4: 5}
     head, cache = ScriptedHead(chain), KVCache()
     ds = DraftSession(head, cache, one_hot_unembed)
     ds.committed([9, 1], target_hiddens(0, 2), 0)
-    proposal = ds.propose(2, 3, GreedySampler())
+    sampler = GreedySampler()
+    proposal = ds.propose(2, 3, sampler, slot=3)
     assert proposal.tokens.dtype == mx.int32 and proposal.tokens.tolist() == [3, 4, 5]
-    assert proposal.probs.shape == (3, VOCAB)
-    assert mx.argmax(proposal.probs, axis=-1).tolist() == [3, 4, 5]
+    assert proposal.slot == 3 and sampler.slots == [3, 4, 5]
     # One flush (whose last row is step 0) plus k-1 head steps; speculative slots 2 and 3.
     assert head.extends() == [(0, [1, 2], [0, 1]), (2, [3], [-1]), (3, [4], [-2])]
     assert ds.offset == 2 and cache.offset == 4
@@ -251,8 +250,8 @@ def test_propose_again_without_a_report_rewinds_the_speculative_entries():
     head, cache = ScriptedHead({1: 2, 2: 3, 3: 4}), KVCache()
     ds = DraftSession(head, cache, one_hot_unembed)
     ds.committed([1], target_hiddens(0, 1), 0)
-    first = ds.propose(2, 3, GreedySampler()).tokens.tolist()
-    again = ds.propose(2, 3, GreedySampler()).tokens.tolist()
+    first = ds.propose(2, 3, GreedySampler(), slot=2).tokens.tolist()
+    again = ds.propose(2, 3, GreedySampler(), slot=2).tokens.tolist()
     assert first == again == [3, 4, 0]
     # The second proposal reuses the held row and rewrites slots 1.. (no second flush).
     assert [e[0] for e in head.extends()] == [0, 1, 2, 1, 2]
@@ -263,8 +262,8 @@ def test_unprimed_session_does_not_draft():
     head, cache = ScriptedHead({}), KVCache()
     ds = DraftSession(head, cache, one_hot_unembed)
     assert not ds.primed
-    assert ds.propose(3, 4, GreedySampler()) is None
-    assert ds.propose(3, 0, GreedySampler()) is None
+    assert ds.propose(3, 4, GreedySampler(), slot=1) is None
+    assert ds.propose(3, 0, GreedySampler(), slot=1) is None
     assert head.calls == []
 
 
@@ -272,14 +271,14 @@ def test_discard_stops_drafting_and_rewinds_speculative_entries():
     head, cache = ScriptedHead({1: 2, 2: 3}), KVCache()
     ds = DraftSession(head, cache, one_hot_unembed)
     ds.committed([1, 2], target_hiddens(0, 2), 0)
-    ds.propose(3, 3, GreedySampler())
+    ds.propose(3, 3, GreedySampler(), slot=1)
     assert cache.offset == 4 and ds.offset == 2
     calls = len(head.calls)
     ds.discard()
     assert ds.discarded and cache.offset == 2
     ds.committed([3, 4], target_hiddens(2, 2), 2)
     ds.settle(5)
-    assert ds.propose(5, 3, GreedySampler()) is None
+    assert ds.propose(5, 3, GreedySampler(), slot=1) is None
     ds.close()
     assert len(head.calls) == calls and cache.offset == 2 and ds.frontier == 4
 

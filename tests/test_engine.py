@@ -173,3 +173,20 @@ def test_think_budget_closes_the_span_and_feeds_the_marker(engine):
     fed = len(engine.tokenize(prompt)) + len(ids)
     assert engine.caches[0].offset in (fed - 1, fed)
     assert done.eval_tokens == len(ids) - len(close)
+
+
+def test_a_feed_dependent_rope_runs_whole_prompts_without_cache_or_speculation():
+    """Dynamic RoPE picks its rotation per forward (as transformers does): the engine feeds
+    every prompt in one forward and decodes one token per forward, so a restored prefix or a
+    verify feed cannot rotate differently from the reference."""
+    import os
+
+    path = os.path.join(
+        os.path.dirname(__file__), "fixtures", "reference", "llama_rope_dynamic_new"
+    )
+    engine = Engine(EngineOptions(model_path=path, prefill_chunk=8))
+    assert engine.feed_dependent and not engine.info.mtp and "RoPE" in engine.info.mtp_detail
+    assert not engine.prefix.enabled and engine._prefill_chunk == engine.info.context_length
+    first = complete(engine, tokens=list(range(3, 40)), num_predict=6, **GREEDY)
+    again = complete(engine, tokens=list(range(3, 40)), num_predict=6, **GREEDY)
+    assert first[0] == again[0] and again[2].prompt_cached_tokens == 0

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 from cache.kv import KVCache
 from drafting.head import HeadConfig, MTPHead
 from runner.loader import load_model
-from runner.models.llama import DecoderLayer
+from runner.models import head_layer
 
 
 def random_head(loaded, seed: int = 0, **config) -> MTPHead:
@@ -20,7 +20,7 @@ def random_head(loaded, seed: int = 0, **config) -> MTPHead:
     mx.random.seed(seed)
     head = MTPHead(
         HeadConfig(args.hidden_size, args.rms_norm_eps, **config),
-        DecoderLayer(args),
+        head_layer(loaded.model),
         loaded.model.embed,
         loaded.model.output_weight,
     )

@@ -189,28 +189,93 @@ def test_fused_projections_compute_what_the_separate_ones_do(checkpoint_factory,
     assert float(mx.abs(feed(fused, 1) - before).max()) > 1e-2
 
 
+LONG = [1.0, 1.3, 1.9, 2.8, 4.0, 5.5, 7.0, 8.0]
+SHORT = [1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 1.7]
+# (scaling, traditional, RoPE keyword arguments): every variant, static and per-forward.
 ROPE_VARIANTS = [
-    ({}, False),
-    ({}, True),
-    ({"type": "linear", "factor": 4.0}, False),
-    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, False),
-    ({"rope_type": "freq_factors", "factors": [1.0, 2.0, 4.0, 8.0, 1.5, 3.0, 1.0, 2.5]}, True),
+    ({}, False, {}),
+    ({}, True, {}),
+    ({"type": "linear", "factor": 4.0}, False, {}),
+    (
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        False,
+        {},
+    ),
+    ({"rope_type": "freq_factors", "factors": [1.0, 2.0, 4.0, 8.0, 1.5, 3.0, 1.0, 2.5]}, True, {}),
+    ({"type": "dynamic", "factor": 2.0}, False, {"max_position_embeddings": 48}),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, False, {}),
+    (
+        {
+            "type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 16,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
+        True,
+        {},
+    ),
+    (
+        {
+            "type": "longrope",
+            "short_factor": SHORT,
+            "long_factor": LONG,
+            "original_max_position_embeddings": 32,
+        },
+        False,
+        {"max_position_embeddings": 256},
+    ),
+    # Partial rotary (the first 8 of 16 dims), with an attention factor on the rotated part.
+    (
+        {
+            "type": "longrope",
+            "short_factor": SHORT[:4],
+            "long_factor": LONG[:4],
+            "original_max_position_embeddings": 32,
+        },
+        False,
+        {"max_position_embeddings": 256, "dims": 8},
+    ),
 ]
 
 
-@pytest.mark.parametrize(("scaling", "traditional"), ROPE_VARIANTS)
-@pytest.mark.parametrize("offset", [0, 37, 1500])
-def test_rope_tables_rotate_like_mlx_fast_rope(scaling, traditional, offset):
+@pytest.mark.parametrize(("scaling", "traditional", "kwargs"), ROPE_VARIANTS)
+@pytest.mark.parametrize("offset", [0, 30, 37, 1500])
+def test_rope_tables_rotate_like_mlx_fast_rope(scaling, traditional, kwargs, offset):
+    """The composed kernel, the ``mx.fast`` path and ``mx.fast.rope`` itself agree for every
+    variant (the periods and the attention factor of that forward; a forward of 5 rows from
+    ``offset`` ends on either side of the dynamic and longrope thresholds)."""
     from runner.models.rope import RoPE
 
-    rope = RoPE(16, base=10000.0, traditional=traditional, scaling=scaling or None)
+    kwargs = dict(kwargs)
+    dims = kwargs.pop("dims", 16)
+    rope = RoPE(
+        dims, base=10000.0, traditional=traditional, scaling=scaling or None, head_dim=16,
+        **kwargs,
+    )  # fmt: skip
     x = mx.random.normal((1, 3, 5, 16), key=mx.random.key(offset))
-    kwargs = {"base": None, "freqs": rope._freqs} if rope._freqs is not None else {"base": 1e4}
-    expected = mx.fast.rope(
-        x, 16, traditional=traditional, scale=rope.scale, offset=offset, **kwargs
+    periods = rope.periods(offset, 5)
+    freqs = (
+        {"base": None, "freqs": periods}
+        if rope._freqs is not None or rope.depends_on_feed
+        else {"base": 1e4}
     )
+    rotated = mx.fast.rope(
+        x[..., :dims], dims, traditional=traditional, scale=rope.scale, offset=offset, **freqs
+    ) * rope.attention_factor  # fmt: skip
+    expected = mx.concatenate([rotated, x[..., dims:]], axis=-1)
     got = rope.apply(x, rope.tables(offset, 5))
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-4, rtol=1e-4)
+    rope.fast = True
+    fast = rope.apply(x, rope.tables(offset, 5))
+    np.testing.assert_allclose(np.array(fast), np.array(expected), atol=2e-4, rtol=1e-4)
 
 
 def test_attention_masks_agree_with_mlx_attention(tiny_checkpoint):
@@ -266,10 +331,18 @@ def test_compiled_blocks_compute_what_the_eager_ones_do(checkpoint_factory, mode
 
 
 KERNEL_FAMILIES = [
-    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-                                "original_max_position_embeddings": 64}}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     ("qwen2", {}),
     ("qwen3", {}),
+    # Per-forward frequencies (through compiled blocks as an input): the 12-token prompt and
+    # the decode steps cross max_position_embeddings 16 / the original length 16.
+    ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "max_position_embeddings": 16}),
+    ("llama", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
+                                "long_factor": [1.0 + i for i in range(8)],
+                                "original_max_position_embeddings": 16}}),
+    ("llama", {"rope_scaling": {"type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 16}}),
 ]  # fmt: skip
 
 

@@ -14,10 +14,10 @@ from tests.fakes import (
     FakeOps,
     GreedyDraws,
     ScriptedEmitter,
-    ScriptedUniforms,
     check_state,
     emitter_frames,
     hash_token,
+    one_hot,
     scripted,
     seeded_sampler,
     spread,
@@ -250,8 +250,8 @@ def test_forced_close_at_x_replays_x_and_the_close_once(mode):
     assert ops.ops_log() == [("replay", [X, CLOSE], True), ("head_commit", [X, CLOSE])]
     assert driver.committed == [X, CLOSE]
     assert end == RoundEnd("continue", target([X, CLOSE]))
-    if mode == "sampled":  # exactly one draw: the post-close successor
-        assert ops.events("rng") == [("rng", "draw", 1)]
+    if mode == "sampled":  # exactly one draw: the post-close successor, for the slot after it
+        assert ops.events("rng") == [("rng", "draw", len(PROMPT) + 2, 1)]
     check_state(ops, driver)
 
 
@@ -439,7 +439,7 @@ def test_emitter_failure_at_a_draft_reconciles_to_the_emitted_prefix():
 # -- RNG ---------------------------------------------------------------------------------------
 
 
-def test_rng_order_per_round_is_drafts_then_uniforms_then_successors():
+def test_every_draw_is_keyed_by_the_slot_it_fills_and_drafts_share_the_target_slots():
     ops, _, driver = make(
         depth=3,
         budget=40,
@@ -450,50 +450,54 @@ def test_rng_order_per_round_is_drafts_then_uniforms_then_successors():
     )
     driver.run(X)
     log = ops.log
-    names = [e[0] if e[0] != "rng" else e[1:] for e in log]
-    starts = [i for i, e in enumerate(log) if e[0] == "capture"]
+    names = [e[0] for e in log]
+    starts = [i for i, e in enumerate(log) if e[0] == "head_step"]
     assert starts
     for s in starts:
-        k = log[s + 1][2]
-        want = ["capture", "head_step", *[("draw", 1)] * k, "verify"]
-        want += [("uniform", (k,)), ("draw", k + 1)]
-        assert names[s : s + len(want)] == want
+        k = log[s][2]
+        head = log[s + 1 : s + 1 + k]
+        assert names[s + 1 + k] == "verify"
+        verify = log[s + 2 + k : s + 3 + 2 * k]
+        first = head[0][2]
+        # The head drafts slots first .. first + k - 1; the verify draws the target's token for
+        # the same slots and one more (the bonus), with the same noise keys.
+        assert [e[2] for e in head] == list(range(first, first + k))
+        assert [e[2] for e in verify] == list(range(first, first + k + 1))
     replays = [i for i, e in enumerate(log) if e[0] == "replay"]
     assert any(log[i][2] for i in replays)  # the think budget forced one close
     for i in replays:
         follows = names[i + 1] if i + 1 < len(names) else None
-        assert (follows == ("draw", 1)) == log[i][2]
-    # nothing else touched the key stream: k + 2 calls per round, one per close replay
-    steps = ops.events("head_step")
-    closes = sum(1 for i in replays if log[i][2])
-    assert len(ops.events("rng")) == sum(e[2] + 2 for e in steps) + closes
+        assert (follows == "rng") == log[i][2]
 
 
 def test_greedy_rounds_consume_no_randomness():
     greedy = Sampler(SamplingParams(temperature=0.0, seed=1), [], V, 4096)
-    for sampler in (GreedyDraws(), greedy):  # GreedyDraws raises on any uniform
+    for sampler in (GreedyDraws(), greedy):
         ops, _, driver = make(depth=3, budget=16, sampler=sampler)
         driver.run(X)
         assert driver.stats.rounds > 0 and ops.events("rng") == []
 
 
 @pytest.mark.parametrize("accepted", [0, 1, 2, 3])
-def test_sampled_acceptance_depth_follows_the_uniforms(accepted):
-    # q is one-hot on token 5, p uniform: p(5)/q(5) = 1/16, so u = 0 accepts and u = 0.99
-    # rejects; the residual max(0, p - q) excludes token 5.
-    uniforms = [0.0] * accepted + [0.99] * (3 - accepted)
-    ops, em, driver = make(
-        depth=3,
-        sampler=ScriptedUniforms(sampled(4), uniforms),
-        target_probs=lambda seq: np.full(V, 1.0 / V, np.float32),
-        draft=lambda seq: 5,
-    )
+def test_coupled_acceptance_accepts_exactly_the_target_s_own_draws(accepted):
+    # The head's distribution equals the target's for the first ``accepted`` drafts (so, with
+    # the same noise, it draws the target's token) and is one-hot on a token the target never
+    # draws after that (so the draft is rejected and the target's draw follows).
+    target = spread(5, V, banned=(EOS, 9))
+
+    def draft(seq):
+        return target(seq) if len(seq) <= accepted else one_hot(V, 9)
+
+    ops, em, driver = make(depth=3, sampler=sampled(4), target_probs=target, draft_probs=draft)
     end = driver.round(X)
     assert not end.finished
-    assert driver.committed == [X] + [5] * accepted
     assert driver.stats.accepted_per_depth[accepted] == 1
-    if accepted < 3:
-        assert end.next != 5
+    assert 9 not in driver.committed and end.next != 9
+    _, _, plain = make(depth=0, sampler=sampled(4), target_probs=target)
+    step = plain.round(X)
+    for _ in range(accepted):
+        step = plain.round(step.next)
+    assert driver.committed == plain.committed and end.next == step.next
     check_state(ops, driver)
 
 
@@ -509,9 +513,31 @@ def test_same_seed_same_output():
     assert first[0] != other[0]
 
 
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_seeded_speculation_is_token_for_token_plain_sampling(depth):
+    """Drafter invariance: with the same seed, speculation at any depth emits exactly what
+    target-only rounds emit, through accepted runs, mismatches, bonuses, EOS, stops and the
+    budget (the head's distribution differs from the target's)."""
+    for seed in range(12):
+        probs = dict(target_probs=spread(40 + seed, V), draft_probs=spread(60 + seed, V))
+        ops, _, driver = make(
+            depth=depth, budget=20, sampler=sampled(seed), emitter=ScriptedEmitter(stop_at=[17]),
+            **probs,
+        )  # fmt: skip
+        plain_ops, _, plain = make(
+            depth=0, budget=20, sampler=sampled(seed), emitter=ScriptedEmitter(stop_at=[17]),
+            **probs,
+        )  # fmt: skip
+        end = driver.run(X)
+        plain_end = plain.run(X)
+        assert driver.emitted == plain.emitted and end == plain_end, seed
+        assert ops.fed == plain_ops.fed
+        check_state(ops, driver)
+
+
 def test_sampled_speculation_matches_plain_sampling_on_the_fake():
     """The three tokens after x follow the target's exact law, over many seeds, through
-    acceptance, residual and bonus paths (vocabulary of 3, no EOS)."""
+    accepted runs, mismatch successors and bonuses (vocabulary of 3, no EOS)."""
     from tests.stats import chi_square_pvalue
 
     vocab = 3

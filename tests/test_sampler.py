@@ -1,4 +1,4 @@
-"""Sampler: penalties, filters, the key stream, processed distributions, logprobs."""
+"""Sampler: penalties, filters, the slot-keyed Gumbel draws, processed distributions, logprobs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner.sampler import Sampler, SamplingParams, _compiled_filter, filter_rows
+from runner.sampler import (
+    Sampler,
+    SamplingParams,
+    _compiled_filter,
+    filter_rows,
+    gumbel_noise,
+    slot_keys,
+)
 from tests.stats import chi_square_pvalue, chi_square_sf, upper_gamma_q
 
 # Hand-made logits over a 16-token vocabulary: distinct values in no particular id order.
@@ -196,17 +203,18 @@ def test_distribution_matches_reference(name):
     ref = reference_for(options)
     assert np.array_equal(probs > 0, ref > 0)
     np.testing.assert_allclose(probs, ref, rtol=1e-5, atol=1e-7)
-    draws = s.draw(mx.broadcast_to(mx.array(probs), (DRAWS, 16)))
+    # One draw per slot: DRAWS independent Gumbel-max draws from the processed row.
+    draws = s.tokens(mx.broadcast_to(mx.array(LOGITS16), (DRAWS, 16)), slot=0)
     assert chi_square_pvalue(counts_of(np.array(draws)), ref) > 0.001
 
 
 @pytest.mark.slow
 def test_sample_draws_match_reference():
-    # One key per sample() call, read one at a time as the decoder does (about 10 s).
+    # One sample() call per slot, read one at a time as the decoder does (about 10 s).
     options = CASES["penalties"]
     s = make(CASE_HISTORY, seed=3, **options)
     logits = mx.array(LOGITS16)
-    counts = counts_of([s.sample(logits).item() for _ in range(DRAWS)])
+    counts = counts_of([s.sample(logits, slot=i).item() for i in range(DRAWS)])
     assert chi_square_pvalue(counts, reference_for(options)) > 0.001
 
 
@@ -253,38 +261,38 @@ def test_min_p_edges():
 def test_greedy_is_the_first_penalised_argmax_and_uses_no_randomness():
     logits = mx.array([1.0, 4.0, 4.0, 3.9, 0.0])
     g = make([], vocab=5, temperature=0.0, repeat_penalty=1.0, seed=9)
-    assert g.sample(logits).item() == 1
+    assert g.sample(logits, slot=0).item() == 1
     probs = np.array(g.distributions(logits[None]))
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0, 0.0]]
-    assert g.draw(mx.array(probs)).tolist() == [1]
+    # No noise: another seed or slot draws the same token.
+    other = make([], vocab=5, temperature=0.0, repeat_penalty=1.0, seed=10)
+    assert other.tokens(mx.broadcast_to(logits, (6, 5)), slot=77).tolist() == [1] * 6
     # The penalty on 1 and 2 (4/1.1 < 3.9) moves the argmax to 3.
     p = make([1, 2], vocab=5, temperature=0.0, repeat_penalty=1.1, seed=9)
-    assert p.sample(logits).item() == 3
-    fresh = make([], vocab=5, temperature=0.0, seed=9)
-    assert g.uniform((4,)).tolist() == fresh.uniform((4,)).tolist()
+    assert p.sample(logits, slot=0).item() == 3
 
 
 def test_top_k_one_equals_greedy():
     rng = np.random.default_rng(2)
     greedy = make([4, 4, 7], vocab=64, temperature=0.0, repeat_penalty=1.5)
     top1 = make([4, 4, 7], vocab=64, temperature=0.8, top_k=1, repeat_penalty=1.5, seed=1)
-    for _ in range(30):
+    for slot in range(30):
         logits = mx.array(rng.normal(0, 1, 64).astype(np.float32))
-        a, b = greedy.sample(logits).item(), top1.sample(logits).item()
+        a, b = greedy.sample(logits, slot).item(), top1.sample(logits, slot).item()
         assert a == b
         greedy.append(a)
         top1.append(b)
 
 
-# -- the key stream -----------------------------------------------------------------------------
+# -- the noise: keyed by seed, slot and token id -------------------------------------------------
 
 
 def run_seeded(seed, steps: int = 24, between=None) -> list[int]:
     s = make([2, 3], seed=seed, **dict(PLAIN, temperature=1.5, top_k=12, repeat_penalty=1.2))
     flat = mx.array(np.linspace(0.0, 0.5, 16, dtype=np.float32))
     out = []
-    for _ in range(steps):
-        token = s.sample(flat)
+    for slot in range(steps):
+        token = s.sample(flat, slot)
         s.append(token)
         out.append(token.item())
         if between:
@@ -300,7 +308,7 @@ def test_seeded_sampling_is_reproducible_and_isolated():
         mx.random.seed(123)
         mx.eval(mx.random.uniform(shape=(7,)))
         other = make([], seed=7, **dict(PLAIN, temperature=1.0))
-        mx.eval(other.sample(mx.zeros((16,))), other.uniform((3,)))
+        mx.eval(other.sample(mx.zeros((16,)), 3), other.tokens(mx.zeros((5, 16)), slot=0))
 
     noise()
     assert run_seeded(42) == first
@@ -313,10 +321,20 @@ def test_unseeded_samplers_differ():
     assert run_seeded(-1) != run_seeded(-5)
 
 
-def test_uniform_shape_and_range():
-    u = np.array(make(seed=1).uniform((5000,)))
-    assert u.shape == (5000,) and u.min() >= 0.0 and u.max() < 1.0
-    assert abs(u.mean() - 0.5) < 0.02
+def test_noise_is_standard_gumbel_and_a_pure_function_of_key_and_id():
+    keys = slot_keys(1, 0, 4)
+    ids = mx.arange(50_000, dtype=mx.int32)
+    g = np.array(gumbel_noise(keys, ids))
+    assert g.shape == (4, 50_000) and np.isfinite(g).all()
+    assert abs(g.mean() - 0.5772) < 0.01 and abs(g.var() - math.pi**2 / 6) < 0.03
+    # Rows (slots) are independent of each other; a subset of ids gets the full row's values.
+    assert abs(np.corrcoef(g[0], g[1])[0, 1]) < 0.02
+    subset = mx.array([[7, 49_999, 3], [0, 1, 2], [5, 5, 5], [42, 9, 11]], dtype=mx.int32)
+    np.testing.assert_array_equal(
+        np.array(gumbel_noise(keys, subset)), np.take_along_axis(g, np.array(subset), axis=1)
+    )
+    assert slot_keys(1, 2, 1).tolist() == slot_keys(1, 0, 3)[2:].tolist()
+    assert slot_keys(2, 0, 1).tolist() != slot_keys(1, 0, 1).tolist()
 
 
 # -- distributions vs sample ------------------------------------------------------------------
@@ -329,15 +347,18 @@ PIPELINES = {
 
 
 @pytest.mark.parametrize("name", list(PIPELINES))
-def test_sample_is_draw_of_distributions(name):
+def test_sample_is_the_noised_argmax_of_distributions(name):
     rng = np.random.default_rng(4)
     options = PIPELINES[name]
     a = make([1, 2, 3], vocab=300, seed=17, **options)
     b = make([1, 2, 3], vocab=300, seed=17, **options)
-    for _ in range(60):
+    for slot in range(60):
         logits = mx.array(rng.normal(0, 2, 300).astype(np.float32))
-        from_sample = a.sample(logits).item()
-        from_draw = b.draw(b.distributions(logits[None]))[0].item()
+        from_sample = a.sample(logits, slot).item()
+        noise = gumbel_noise(slot_keys(b.seed, slot, 1), mx.arange(300, dtype=mx.int32))
+        with np.errstate(divide="ignore"):
+            scores = np.log(np.array(b.distributions(logits[None]))) + np.array(noise)
+        from_draw = int(np.argmax(scores[0]))
         assert from_sample == from_draw
         a.append(from_sample)
         b.append(from_draw)
@@ -370,7 +391,7 @@ def test_distributions_with_chain_equal_sequential_sampling(name):
     plain = make([9, 8], vocab=300, seed=5, **options)
     tokens = []
     for i in range(6):
-        token = plain.sample(rows[i])
+        token = plain.sample(rows[i], slot=40 + i)
         plain.append(token)
         tokens.append(token.item())
     # Speculative view: all rows at once, row i penalised with the chain tokens[:i].
@@ -381,14 +402,15 @@ def test_distributions_with_chain_equal_sequential_sampling(name):
         single = make([9, 8, *tokens[:i]], vocab=300, seed=5, **options)
         expect = np.array(single.distributions(rows[i : i + 1]))
         assert np.array_equal(np.array(probs[i : i + 1]), expect)
-        assert spec.draw(probs[i : i + 1]).item() == tokens[i]
+    # And the draws for all rows at once (a verify) are the sequential draws.
+    assert spec.tokens(rows, chain, slot=40).tolist() == tokens
 
 
 def test_sample_shapes():
     s = make(seed=1, **dict(PLAIN, temperature=1.0))
-    assert s.sample(mx.zeros((16,))).shape == ()
-    assert s.sample(mx.zeros((1, 16))).shape == (1,)
-    assert s.sample(mx.zeros((16,))).dtype == mx.int32
+    assert s.sample(mx.zeros((16,)), 0).shape == ()
+    assert s.sample(mx.zeros((1, 16)), 0).shape == (1,)
+    assert s.sample(mx.zeros((16,)), 0).dtype == mx.int32
 
 
 # -- logprobs -----------------------------------------------------------------------------------

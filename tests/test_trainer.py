@@ -161,7 +161,7 @@ def test_chain_eval_counts_what_the_runners_draft_session_proposes(trained, voca
     for t in range(seq.prompt_len - 1, len(seq.tokens) - 2):  # step 1 needs argmax[t + 1]
         session = DraftSession(head, KVCache(), loaded.model.unembed)
         session.committed(seq.tokens[: t + 1].tolist(), mx.array(seq.hiddens[: t + 1]), 0)
-        drafts = np.array(session.propose(int(seq.tokens[t + 1]), depth, greedy).tokens)
+        drafts = np.array(session.propose(int(seq.tokens[t + 1]), depth, greedy, slot=t + 2).tokens)
         for j in range(depth):
             if t + j + 1 > len(seq.tokens) - 2:
                 break

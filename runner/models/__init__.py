@@ -1,23 +1,34 @@
-"""Model families by ``model_type``."""
+"""Model families by ``model_type``: llama (llama, mistral, qwen2, qwen3 and the smollm
+aliases), gemma (gemma2, gemma3_text) and phi3.
+
+Every family module has ``FAMILIES``, ``model_args(config, path) -> ModelArgs``, ``Model``
+(the llama family's interface: ``forward``, ``hidden``, ``unembed``, ``embed``,
+``make_caches``, ...) and ``head_layer(args)``, the decoder layer an MTP head for a target of
+that family runs.
+"""
 
 from __future__ import annotations
 
-from protocol.errors import UnsupportedArchitecture
-from runner.models import llama
+from types import ModuleType
 
-_FAMILIES = {name: llama for name in llama.FAMILIES}
+import mlx.nn as nn
+
+from protocol.errors import UnsupportedArchitecture
+from runner.models import config, gemma, llama, phi3
+
+_FAMILIES: dict[str, ModuleType] = {name: llama for name in llama.FAMILIES}
 # Aliases seen in real configs for the same architecture.
-_FAMILIES["smollm"] = llama
-_FAMILIES["smollm2"] = llama
+_FAMILIES.update({alias: llama for alias in config.ALIASES})
+_FAMILIES.update({name: gemma for name in gemma.FAMILIES})
+_FAMILIES.update({name: phi3 for name in phi3.FAMILIES})
 
 
 def supported_model_types() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def build_model(config: dict, path: str | None = None) -> llama.Model:
-    """Instantiate the (uninitialised) model a Hugging Face config describes."""
-    model_type = config.get("model_type")
+def family(model_type: str | None, path: str | None = None) -> ModuleType:
+    """The module implementing ``model_type``, or an ``UnsupportedArchitecture``."""
     module = _FAMILIES.get(model_type or "")
     if module is None:
         raise UnsupportedArchitecture(
@@ -25,7 +36,29 @@ def build_model(config: dict, path: str | None = None) -> llama.Model:
             f"{', '.join(supported_model_types())})",
             path=path,
         )
-    args = module.ModelArgs.from_config(config)
-    if args.model_type not in llama.FAMILIES:
-        args.model_type = "llama"
-    return module.Model(args)
+    return module
+
+
+def build_model(config: dict, path: str | None = None) -> llama.Model:
+    """Instantiate the (uninitialised) model a Hugging Face config describes."""
+    module = family(_model_type(config), path)
+    return module.Model(module.model_args(config, path))
+
+
+def head_layer(model: llama.Model, args: llama.ModelArgs | None = None) -> nn.Module:
+    """A fresh decoder layer for an MTP head of ``model`` (its family's own block) built from
+    ``args`` (default: the model's)."""
+    return family(model.model_type).head_layer(args if args is not None else model.args)
+
+
+def _model_type(cfg: dict) -> str | None:
+    return config.model_type(cfg)
+
+
+def feed_dependent(model: nn.Module) -> bool:
+    """Whether the model's output depends on how a sequence is split into forwards (dynamic
+    and longrope RoPE pick their rotation per forward, as transformers does): then one prompt
+    fed in chunks, restored from a cache or verified with drafts rotates differently."""
+    from runner.models.rope import RoPE
+
+    return any(isinstance(m, RoPE) and m.depends_on_feed for _, m in model.named_modules())

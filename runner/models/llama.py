@@ -11,7 +11,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from cache.kv import KVCache
+from cache.kv import KVCache, RotatingKVCache
+from runner.models.config import read_llama_family, text_config
 from runner.models.layers import (
     Linear,
     dense_weight,
@@ -26,6 +27,9 @@ from runner.models.layers import (
 from runner.models.rope import RoPE, RopeTables
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Attention honours ModelArgs.sliding_window / layer_types (runner/models/config.py): sliding
+# layers keep a RotatingKVCache and mask each row to its window (window_mask).
+SLIDING_WINDOW = True
 
 # None (one row, or no mask), "causal", or an additive / boolean array.
 Mask = mx.array | str | None
@@ -50,6 +54,10 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     max_position_embeddings: int = 4096
+    # The window of "sliding_attention" layers (None: no layer slides) and one layer type per
+    # layer (None: all "full_attention"); runner/models/config.py says how they are resolved.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,15 +69,14 @@ class ModelArgs:
             self.qk_norm = True
 
     @classmethod
-    def from_config(cls, config: dict) -> ModelArgs:
-        """Read a Hugging Face ``config.json`` dict; unknown keys go to ``extra``."""
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        args = {k: v for k, v in config.items() if k in known}
-        if config.get("model_type") == "qwen2":
-            args.setdefault("attention_bias", True)
-        if "tie_word_embeddings" not in config and config.get("model_type") == "qwen2":
-            args["tie_word_embeddings"] = False
-        extra = {k: v for k, v in config.items() if k not in known}
+    def from_config(cls, config: dict, path: str | None = None) -> ModelArgs:
+        """Read a Hugging Face ``config.json`` dict, either layout, flat or nested
+        (``runner.models.config.read_llama_family`` decides every key: a key that changes the
+        math and is not implemented is refused there, naming it and ``path``). Keys that are
+        not fields go to ``extra``."""
+        args = read_llama_family(config, path, sliding_window_supported=SLIDING_WINDOW)
+        cfg, _ = text_config(config)
+        extra = {k: v for k, v in cfg.items() if k not in cls.__dataclass_fields__}
         return cls(**args, extra=extra)
 
 
@@ -92,9 +99,11 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope = RoPE(
             self.head_dim, base=args.rope_theta, traditional=args.rope_traditional,
-            scaling=args.rope_scaling,
+            scaling=args.rope_scaling, max_position_embeddings=args.max_position_embeddings,
         )  # fmt: skip
         self.fast = False  # mx.fast attention instead of the composed kernel (set_kernels)
+        # tanh soft-capping of the attention scores (Gemma 2): the composed kernel only.
+        self.softcap: float | None = None
 
     def fuse(self) -> bool:
         """Compute q, k and v in one product (see ``fuse_linears``)."""
@@ -132,9 +141,12 @@ class Attention(nn.Module):
     def attend_cached(
         self, q: mx.array, k: mx.array, v: mx.array, mask: Mask, cache: KVCache
     ) -> mx.array:
-        """Append k, v to the cache and attend over everything cached: ``[B, heads, L, dim]``."""
+        """Append k, v to the cache and attend over what it returns (everything cached, or a
+        sliding window's keys with ``mask`` from :func:`window_mask`): ``[B, heads, L, dim]``."""
         k, v = cache.update_and_fetch(k, v)
-        if not self.fast and (mask is None or isinstance(mask, str) or mask.ndim == 2):
+        if self.softcap is not None or (
+            not self.fast and (mask is None or isinstance(mask, str) or mask.ndim == 2)
+        ):
             return self._attend(q, k, v, mask)
         # The fused kernel (a GPU), or a per-sequence mask (left-padded batches).
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
@@ -153,10 +165,14 @@ class Attention(nn.Module):
         per_group = heads // groups
         q = (q * self.scale).reshape(batch, groups, per_group * length, dim)
         scores = q @ k.transpose(0, 1, 3, 2)
+        if self.softcap is not None:
+            scores = mx.tanh(scores / self.softcap) * self.softcap
         if isinstance(mask, str):
             mask = causal_mask(keys - length, length, scores.dtype)
         if mask is not None:
             scores = scores.reshape(batch, groups, per_group, length, keys)
+            if mask.ndim == 4:  # per sequence [B, 1, L, T]: broadcast over the query groups
+                mask = mask[:, :, None]
             if mask.dtype == mx.bool_:
                 scores = mx.where(mask, scores, -mx.inf)
             else:
@@ -198,6 +214,11 @@ class DecoderLayer(nn.Module):
     rows of a decode step or a verify; prefill chunks and batches run them eagerly.
     """
 
+    # The layer's sliding window (None: full attention) and which RoPE its forward shares
+    # with other layers (``Model.hidden`` builds one table per group); set by the model.
+    window: int | None = None
+    rope_group: str = "full_attention"
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.self_attn = Attention(args)
@@ -205,6 +226,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.compiled: CompiledBlock | None = None
+
+    def make_cache(self) -> KVCache | RotatingKVCache:
+        """A full cache, or one bounded by the layer's window."""
+        return KVCache() if self.window is None else RotatingKVCache(self.window)
 
     def __call__(
         self, x: mx.array, mask: Mask, cache: KVCache, rope: RopeTables | None = None
@@ -288,11 +313,55 @@ def fuse_projections(module: nn.Module) -> int:
 
 
 class LlamaModel(nn.Module):
+    layer = DecoderLayer  # the block a family builds its stack from
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [self.layer(args) for _ in range(args.num_hidden_layers)]
+        for layer, window in zip(self.layers, layer_windows(args), strict=True):
+            layer.window = window
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+def model_args(config: dict, path: str | None = None) -> ModelArgs:
+    """``ModelArgs`` for a llama-family config (``ModelArgs.from_config``)."""
+    return ModelArgs.from_config(config, path)
+
+
+def head_layer(args: ModelArgs) -> DecoderLayer:
+    """The decoder layer of an MTP head for a target of this family (full attention: the head
+    keeps a plain ``KVCache``)."""
+    return DecoderLayer(args)
+
+
+def window_layout(args: ModelArgs) -> tuple[int | None, list[str] | None]:
+    """``(sliding_window, layer_types)`` as ``runner.models.config`` resolves them: the one
+    place the attention code reads a config's window keys."""
+    return args.sliding_window, args.layer_types
+
+
+def layer_windows(args: ModelArgs) -> list[int | None]:
+    """Each layer's sliding window, or None for full attention."""
+    window, types = window_layout(args)
+    if window is None or types is None:
+        return [None] * args.num_hidden_layers
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def window_mask(
+    offset: int, length: int, window: int, key_start: int = 0, dtype: mx.Dtype = mx.float32
+) -> mx.array | None:
+    """Additive ``[length, offset + length - key_start]`` mask over the keys of positions
+    ``key_start..offset+length-1``: the row at position p sees the keys of ``(p - window, p]``
+    (transformers' sliding mask, ``kv_idx > q_idx - sliding_window``). None when every row
+    sees every key (one row whose keys start inside its window)."""
+    if length == 1 and key_start >= offset - window + 1:
+        return None
+    rows = mx.arange(offset, offset + length)[:, None]
+    keys = mx.arange(key_start, offset + length)[None, :]
+    visible = (keys <= rows) & (keys > rows - window)
+    return mx.where(visible, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))
 
 
 def causal_mask(offset: int, length: int, dtype: mx.Dtype = mx.float32) -> mx.array | None:
@@ -308,11 +377,13 @@ def causal_mask(offset: int, length: int, dtype: mx.Dtype = mx.float32) -> mx.ar
 class Model(nn.Module):
     """A Llama-family causal LM. ``forward`` returns logits and post-final-norm hidden rows."""
 
+    inner = LlamaModel  # the decoder stack (``embed_tokens``, ``layers``, ``norm``)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = LlamaModel(args)
+        self.model = self.inner(args)
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -320,8 +391,9 @@ class Model(nn.Module):
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
 
-    def make_caches(self) -> list[KVCache]:
-        return [KVCache() for _ in self.model.layers]
+    def make_caches(self) -> list[KVCache | RotatingKVCache]:
+        """One cache per layer: a ``KVCache``, or a ``RotatingKVCache`` for a sliding layer."""
+        return [layer.make_cache() for layer in self.model.layers]
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.model.embed_tokens(tokens)
@@ -338,16 +410,33 @@ class Model(nn.Module):
         ``mask`` defaults to causal over the cached prefix; pass an additive or boolean array
         for left-padded batches. ``prenorm`` returns the hidden before the final norm.
         """
-        x = self.model.embed_tokens(tokens)
+        x = self.embed(tokens)
         offset, length = caches[0].offset, tokens.shape[1]
+        fast = self.model.layers[0].self_attn.fast
+        full = mask
         if mask is None and length > 1:
             # The fused kernel takes "causal" (lower-right aligned); the composed one adds a
             # mask built once for every layer.
-            fast = self.model.layers[0].self_attn.fast
-            mask = "causal" if fast else causal_mask(offset, length, x.dtype)
-        rope = self.model.layers[0].self_attn.rope.tables(offset, length, x.dtype)
+            full = "causal" if fast else causal_mask(offset, length, x.dtype)
+        # One mask per window and one RoPE table per group, shared by the layers using them.
+        masks: dict[tuple[int, int], Mask] = {}
+        tables: dict[str, RopeTables] = {}
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x = layer(x, mask, cache, rope)
+            layer_mask = full
+            if layer.window is not None:
+                if mask is not None:
+                    raise ValueError("per-sequence masks are not supported with sliding layers")
+                start = cache.window_lo(offset) if getattr(cache, "windowed", False) else 0
+                key = (layer.window, start)
+                if key not in masks:
+                    masks[key] = window_mask(offset, length, layer.window, start, x.dtype)
+                layer_mask = masks[key]
+            rope = tables.get(layer.rope_group)
+            if rope is None:
+                rope = tables[layer.rope_group] = layer.self_attn.rope.tables(
+                    offset, length, x.dtype
+                )
+            x = layer(x, layer_mask, cache, rope)
         return x if prenorm else self.model.norm(x)
 
     def unembed(self, hidden: mx.array) -> mx.array:

@@ -8,9 +8,30 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from runner.models.config import rope_spec
+
 
 class RoPE(nn.Module):
-    """``default``, ``linear`` and ``llama3`` scaling, in rotate-half or interleaved form.
+    """Every RoPE variant transformers implements for these families, each as its
+    ``ROPE_INIT_FUNCTIONS`` computes it (``tests/test_rope_tables.py`` compares them):
+
+    - ``default``, ``linear`` (positions divided by ``factor``), ``llama3`` (Llama 3.1's
+      wavelength bands), ``yarn`` (NTK-by-parts frequencies and an attention factor on cos and
+      sin) and GGUF's ``freq_factors`` (per-pair divisors): fixed frequencies;
+    - ``dynamic`` (NTK): the base grows with the length a forward ends at, ``max(end,
+      max_position_embeddings)``, recomputed for every forward; cached keys keep the rotation
+      they were stored with (transformers does the same);
+    - ``longrope`` (Phi-3): the short factors for a forward that ends at or below
+      ``original_max_position_embeddings``, the long ones past it (the whole forward, cached
+      keys unchanged), times its attention factor.
+
+    The last two depend on how a sequence was fed (``depends_on_feed``): one forward over a
+    long prompt and the same prompt in chunks rotate differently, exactly as in transformers.
+
+    ``scaling`` is a RoPE dict in any layout (``runner.models.config.rope_spec`` reads it;
+    already-resolved dicts pass unchanged); ``max_position_embeddings`` is the model's context,
+    which dynamic, yarn and longrope defaults read. ``dims`` are the rotated dimensions, the
+    first ``dims`` of a ``head_dim``-wide head (partial rotary; the rest pass unchanged).
 
     ``traditional=True`` rotates adjacent pairs (GGUF llama weights, whose Q/K rows llama.cpp
     permuted for that form); ``False`` rotates the two halves (Hugging Face layout).
@@ -27,74 +48,136 @@ class RoPE(nn.Module):
         base: float = 10000.0,
         traditional: bool = False,
         scaling: dict | None = None,
+        max_position_embeddings: int | None = None,
+        head_dim: int | None = None,
     ) -> None:
         super().__init__()
+        self.head_dim = head_dim or dims
+        if max_position_embeddings is None:
+            max_position_embeddings = (scaling or {}).get("max_position_embeddings", 0)
+        spec = rope_spec(
+            scaling, head_dim=dims, max_position_embeddings=max_position_embeddings, theta=base,
+            where="rope_scaling",
+        )  # fmt: skip
         self.dims = dims
         self.traditional = traditional
-        self.base = base
-        self.scale = 1.0
-        self._freqs = None
-        kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-        if kind == "linear":
-            self.scale = 1.0 / float(scaling["factor"])
-        elif kind == "llama3":
-            self._freqs = llama3_freqs(dims, base, scaling)
-        elif kind == "freq_factors":
-            # GGUF stores llama3-style scaling as per-pair divisors of the frequency.
-            factors = list(scaling["factors"])
-            periods = [base ** (i / dims) * factors[i // 2] for i in range(0, dims, 2)]
-            self._freqs = mx.array(periods, dtype=mx.float32)
-        elif kind != "default":
-            raise ValueError(f"unsupported rope_scaling type {kind!r}")
-        if self._freqs is not None:
-            self._period_table = self._freqs
-        else:
-            exps = np.arange(0, dims, 2, dtype=np.float64) / dims
-            self._period_table = mx.array((base**exps).astype(np.float32))
-        self._rotation = rotation_matrix(dims, traditional)
+        self.base = spec.theta
+        self.kind = spec.rope_type
+        self.scaling = spec.scaling
+        params = spec.scaling or {}
+        self.scale = 1.0 / params["factor"] if self.kind == "linear" else 1.0
+        self.attention_factor = float(params.get("attention_factor", 1.0))
+        self.max_position_embeddings = int(max_position_embeddings)
+        periods = self._periods(None)
+        self._period_table = mx.array(periods)
+        # mx.fast.rope takes the periods ("freqs") where a base and a position scale do not say.
+        self._freqs = None if self.kind in ("default", "linear") else self._period_table
+        self._rotation = rotation_matrix(dims, traditional, self.head_dim)
         self.fast = False
+
+    @property
+    def depends_on_feed(self) -> bool:
+        """Whether a forward's rotation depends on where it ends (dynamic, longrope)."""
+        return self.kind in ("dynamic", "longrope")
+
+    def _periods(self, end: int | None) -> np.ndarray:
+        """Per-pair periods (1 / inverse frequency) of a forward ending at ``end`` (None: at
+        initialisation, as transformers first computes them), float32."""
+        d, p = self.dims, self.scaling or {}
+        exps = np.arange(0, d, 2, dtype=np.float64) / d
+        if self.kind in ("default", "linear"):
+            periods = self.base**exps
+        elif self.kind == "dynamic":
+            factor, context = p["factor"], p["max_position_embeddings"]
+            length = max(end or 0, context)
+            base = self.base * ((factor * length / context) - (factor - 1)) ** (d / (d - 2))
+            periods = base**exps
+        elif self.kind == "longrope":
+            long = end is not None and end > p["original_max_position_embeddings"]
+            ext = np.array(p["long_factor" if long else "short_factor"], dtype=np.float64)
+            periods = ext * self.base**exps
+        elif self.kind == "llama3":
+            periods = llama3_periods(d, self.base, p)
+        elif self.kind == "yarn":
+            periods = yarn_periods(d, self.base, p)
+        elif self.kind == "freq_factors":
+            periods = self.base**exps * np.array(p["factors"], dtype=np.float64)
+        else:  # rope_spec refuses every other type
+            raise ValueError(f"unsupported rope type {self.kind!r}")
+        return periods.astype(np.float32)
+
+    def periods(self, offset: int, length: int) -> mx.array:
+        """The periods of a forward over positions ``offset..offset+length-1``."""
+        if not self.depends_on_feed:
+            return self._period_table
+        return mx.array(self._periods(offset + length))
+
+    def inv_freq(self, offset: int, length: int) -> np.ndarray:
+        """What transformers calls ``inv_freq`` for that forward (the position scale over the
+        periods), float64; with :attr:`attention_factor`, everything the rotation uses."""
+        return self.scale / np.array(self.periods(offset, length), dtype=np.float64)
 
     def tables(self, offset: int, length: int, dtype: mx.Dtype = mx.float32) -> RopeTables:
         """What :meth:`apply` needs for positions ``offset..offset+length-1``: composed, cos and
-        sin ``[length, dims]`` and the rotation in the activations' dtype (one forward computes
-        them once for every layer); fast, the offset as an array (so compiled blocks do not
-        retrace per position)."""
+        sin ``[length, head_dim]`` (the attention factor folded in) and the rotation in the
+        activations' dtype (one forward computes them once for every layer); fast, the offset as
+        an array (so compiled blocks do not retrace per position) and, for a variant whose
+        frequencies change per forward, that forward's periods."""
         if self.fast:
-            return (mx.array(offset, dtype=mx.int32),)
+            offset_array = mx.array(offset, dtype=mx.int32)
+            if self.depends_on_feed:
+                return (offset_array, self.periods(offset, length))
+            return (offset_array,)
         pos = mx.arange(offset, offset + length, dtype=mx.float32) * self.scale
-        angles = pos[:, None] / self._period_table[None, :]
+        angles = pos[:, None] / self.periods(offset, length)[None, :]
         if self.traditional:
             angles = mx.repeat(angles, 2, axis=1)
         else:
             angles = mx.concatenate([angles, angles], axis=1)
+        cos, sin = mx.cos(angles), mx.sin(angles)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        rest = self.head_dim - self.dims
+        if rest:  # partial rotary: the other dims pass unchanged
+            cos = mx.concatenate([cos, mx.ones((length, rest))], axis=1)
+            sin = mx.concatenate([sin, mx.zeros((length, rest))], axis=1)
         rotation = self._rotation if dtype == mx.float32 else self._rotation.astype(dtype)
-        return mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype), rotation
+        return cos.astype(dtype), sin.astype(dtype), rotation
 
     def apply(self, x: mx.array, tables: RopeTables) -> mx.array:
-        """Rotate ``x`` ``[..., length, dims]`` by ``tables``: composed, ``x cos + rot(x) sin``
-        with ``rot`` a constant signed permutation (one small matmul)."""
-        if len(tables) == 1:
-            freqs = self._freqs
-            return mx.fast.rope(
-                x, self.dims, traditional=self.traditional,
-                base=None if freqs is not None else self.base, scale=self.scale,
-                offset=tables[0], freqs=freqs,
-            )  # fmt: skip
-        cos, sin, rotation = tables
-        return x * cos + (x @ rotation) * sin
+        """Rotate ``x`` ``[..., length, head_dim]`` by ``tables``: composed, ``x cos + rot(x)
+        sin`` with ``rot`` a constant signed permutation (one small matmul)."""
+        if len(tables) == 3:
+            cos, sin, rotation = tables
+            return x * cos + (x @ rotation) * sin
+        freqs = tables[1] if len(tables) == 2 else self._freqs
+        partial = self.attention_factor != 1.0 and self.dims != x.shape[-1]
+        rotated = x[..., : self.dims] if partial else x
+        out = mx.fast.rope(
+            rotated, self.dims, traditional=self.traditional,
+            base=None if freqs is not None else self.base, scale=self.scale,
+            offset=tables[0], freqs=freqs,
+        )  # fmt: skip
+        if self.attention_factor == 1.0:
+            return out
+        out = out * self.attention_factor
+        if partial:
+            out = mx.concatenate([out, x[..., self.dims :]], axis=-1)
+        return out
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return self.apply(x, self.tables(offset, x.shape[-2], x.dtype))
 
 
-# Composed: (cos, sin, rotation); fast: (offset,).
+# Composed: (cos, sin, rotation); fast: (offset,) or (offset, periods).
 RopeTables = tuple[mx.array, ...]
 
 
-def rotation_matrix(dims: int, traditional: bool) -> mx.array:
+def rotation_matrix(dims: int, traditional: bool, width: int | None = None) -> mx.array:
     """``R`` with ``x @ R`` = rotate-half(x) (``[-x2, x1]``) or, traditional, each adjacent
-    pair ``(a, b)`` -> ``(-b, a)``."""
-    rot = np.zeros((dims, dims), dtype=np.float32)
+    pair ``(a, b)`` -> ``(-b, a)``, over the first ``dims`` of ``width`` features (zero past
+    them: those features are not rotated)."""
+    rot = np.zeros((width or dims, width or dims), dtype=np.float32)
     if traditional:
         for i in range(0, dims, 2):
             rot[i + 1, i], rot[i, i + 1] = -1.0, 1.0
@@ -105,22 +188,36 @@ def rotation_matrix(dims: int, traditional: bool) -> mx.array:
     return mx.array(rot)
 
 
-def llama3_freqs(dims: int, base: float, scaling: dict) -> mx.array:
-    """Llama 3.1's wavelength-dependent frequency stretch (returned as periods for mx.fast.rope)."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+def llama3_periods(dims: int, base: float, p: dict) -> np.ndarray:
+    """Llama 3.1's wavelength-dependent frequency stretch, as periods (float64)."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_ctx = p["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    periods = []
-    for i in range(0, dims, 2):
-        period = base ** (i / dims)  # 1 / inverse frequency
-        wavelen = 2 * math.pi * period
-        if wavelen < high_wavelen:
-            periods.append(period)
-        elif wavelen > low_wavelen:
-            periods.append(period * factor)
-        else:
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            periods.append(period / ((1 - smooth) / factor + smooth))
-    return mx.array(periods, dtype=mx.float32)
+    inv = 1.0 / base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return 1.0 / np.where(medium, smoothed, scaled)
+
+
+def yarn_periods(dims: int, base: float, p: dict) -> np.ndarray:
+    """YaRN's blend of interpolated and extrapolated frequencies (transformers'
+    ``_compute_yarn_parameters``), as periods (float64)."""
+    factor, original = p["factor"], p["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dims * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(p["beta_fast"]), correction_dim(p["beta_slow"])
+    if p["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # transformers: prevent a singularity
+    pos_freqs = base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = np.clip((np.arange(dims // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the extrapolation share
+    return 1.0 / (interpolation * (1 - keep) + extrapolation * keep)

@@ -67,3 +67,23 @@ async def spawn(runner_cmd):
     for runner in started:
         await runner.stop()
         assert not runner.violations, runner.violations[:5]
+
+
+@pytest.fixture(scope="session")
+def head_args(default_model, tmp_path_factory) -> list[str]:
+    """Runner flags for the default model's head: none for the shipped head, else a random
+    head written as a sidecar (speculation must be lossless either way)."""
+    import mlx.core as mx
+
+    from runner.default_model import HEAD_DIR
+
+    if os.path.exists(os.path.join(HEAD_DIR, "config.json")):
+        return []
+    from runner.loader import load_model
+    from tests.heads import write_head
+
+    loaded = load_model(default_model)
+    directory = write_head(str(tmp_path_factory.mktemp("random-head")), loaded)
+    del loaded
+    mx.clear_cache()
+    return ["--draft", directory]

@@ -4,13 +4,10 @@ otherwise a random head written as a sidecar (speculation must be lossless eithe
 
 from __future__ import annotations
 
-import os
 import sys
 
-import mlx.core as mx
 import pytest
 
-from runner.default_model import HEAD_DIR
 from tests.conformance.harness import RunnerProcess, ids_of, unique_id
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -38,20 +35,6 @@ PROMPTS = [
     "What causes earthquakes?",
     "Write a limerick about a programmer.",
 ]
-
-
-@pytest.fixture(scope="module")
-def head_args(default_model, tmp_path_factory) -> list[str]:
-    if os.path.exists(os.path.join(HEAD_DIR, "config.json")):
-        return []
-    from runner.loader import load_model
-    from tests.heads import write_head
-
-    loaded = load_model(default_model)
-    directory = write_head(str(tmp_path_factory.mktemp("random-head")), loaded)
-    del loaded
-    mx.clear_cache()
-    return ["--draft", directory]
 
 
 async def test_greedy_with_speculation_equals_without(default_model, head_args):
