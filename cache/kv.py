@@ -10,36 +10,19 @@ from collections.abc import Callable
 import mlx.core as mx
 
 
-class KVSnapshot:
-    """The keys and values of positions ``[start, end)`` of one cache.
+class _SnapshotCopy:
+    """What every snapshot shares: its owner while lazy, the copy once materialised, and the
+    memory accounting of that copy (``on_resize`` hears every change of ``nbytes``)."""
 
-    A snapshot starts *lazy*: it records only the range and its owner cache, holding no array,
-    so MLX may still update the live buffer in place. Before an append overwrites any of its
-    slots, the owner copies the range out (the snapshot becomes *materialised*). ``on_resize``
-    (set by whoever accounts memory) hears every change of ``nbytes``.
-    """
-
-    __slots__ = ("start", "end", "owner", "keys", "values", "on_resize", "__weakref__")
-
-    def __init__(self, owner: KVCache, start: int, end: int) -> None:
-        self.start, self.end = start, end
-        self.owner: KVCache | None = owner
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.on_resize: Callable[[int], None] | None = None
+    __slots__ = ("owner", "keys", "values", "on_resize", "__weakref__")
 
     @property
     def lazy(self) -> bool:
         return self.owner is not None
 
     @property
-    def restorable(self) -> bool:
-        """A range of a full cache always restores (given the prefix before it)."""
-        return True
-
-    @property
     def nbytes(self) -> int:
-        """Bytes of the copied-out range; 0 while lazy (the data lives in the owner's buffer)."""
+        """Bytes of the copy; 0 while lazy (the data lives in the owner's buffer)."""
         if self.keys is None:
             return 0
         return self.keys.nbytes + self.values.nbytes
@@ -49,6 +32,44 @@ class KVSnapshot:
         self.keys, self.values = keys, values
         if self.on_resize is not None and self.nbytes != before:
             self.on_resize(self.nbytes - before)
+
+    def _copied_out(self, keys: mx.array | None, values: mx.array | None) -> None:
+        """Materialised: hold ``keys``/``values`` and stop protecting the owner's slots."""
+        owner, self.owner = self.owner, None
+        owner._lazy.discard(self)
+        self._set_copy(keys, values)
+
+    def close(self) -> None:
+        """Release the data: a lazy range stops protecting the owner's slots."""
+        if self.owner is not None:
+            self.owner._lazy.discard(self)
+            self.owner = None
+        self._set_copy(None, None)
+        self.on_resize = None
+
+
+class KVSnapshot(_SnapshotCopy):
+    """The keys and values of positions ``[start, end)`` of one cache.
+
+    A snapshot starts *lazy*: it records only the range and its owner cache, holding no array,
+    so MLX may still update the live buffer in place. Before an append overwrites any of its
+    slots, the owner copies the range out (the snapshot becomes *materialised*). ``on_resize``
+    (set by whoever accounts memory) hears every change of ``nbytes``.
+    """
+
+    __slots__ = ("start", "end")
+
+    def __init__(self, owner: KVCache, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.owner: KVCache | None = owner
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.on_resize: Callable[[int], None] | None = None
+
+    @property
+    def restorable(self) -> bool:
+        """A range of a full cache always restores (given the prefix before it)."""
+        return True
 
     def materialise(self) -> None:
         """Copy the range out of the owner's buffer now (a no-op once materialised)."""
@@ -62,17 +83,7 @@ class KVSnapshot:
             mx.eval(keys, values)
         else:
             keys = values = None
-        self.owner = None
-        owner._lazy.discard(self)
-        self._set_copy(keys, values)
-
-    def close(self) -> None:
-        """Release the data: a lazy range stops protecting the owner's slots."""
-        if self.owner is not None:
-            self.owner._lazy.discard(self)
-            self.owner = None
-        self._set_copy(None, None)
-        self.on_resize = None
+        self._copied_out(keys, values)
 
     def split(self, at: int) -> tuple[KVSnapshot, KVSnapshot]:
         """Two snapshots ``[start, at)`` and ``[at, end)``; this one is closed."""
@@ -129,7 +140,26 @@ def concat_snapshots(head, tail):
     return merged
 
 
-class KVCache:
+class _Buffers:
+    """The key and value buffers a cache appends into (None until the first append)."""
+
+    keys: mx.array | None
+    values: mx.array | None
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The arrays to evaluate so that pending appends are materialised."""
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (capacity, not just the used prefix)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class KVCache(_Buffers):
     """Keys and values of one attention layer, shaped ``[batch, kv_heads, capacity, head_dim]``.
 
     Buffers grow in steps of ``step`` positions and appends are slice updates into them, so a
@@ -256,20 +286,8 @@ class KVCache:
             self._lazy_end = max(self._lazy_end, snap.end)
             snap._set_copy(None, None)
 
-    @property
-    def state(self) -> list[mx.array]:
-        """The arrays to evaluate so that pending appends are materialised."""
-        return [] if self.keys is None else [self.keys, self.values]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the buffers (capacity, not just the used prefix)."""
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
-
-
-class WindowSnapshot:
+class WindowSnapshot(_SnapshotCopy):
     """What a sliding-window cache needs to resume at position ``end``: the keys and values of
     the window before it, positions ``[lo, end)`` with ``lo = max(0, end - window + 1)``.
 
@@ -281,8 +299,7 @@ class WindowSnapshot:
     and a prefix match has to stop at an earlier node.
     """
 
-    __slots__ = ("start", "end", "lo", "owner", "keys", "values", "valid", "on_resize",
-                 "__weakref__")  # fmt: skip
+    __slots__ = ("start", "end", "lo", "valid")
 
     def __init__(self, start: int, end: int, lo: int, owner: RotatingKVCache | None) -> None:
         self.start, self.end, self.lo = start, end, lo
@@ -300,24 +317,8 @@ class WindowSnapshot:
         return snap
 
     @property
-    def lazy(self) -> bool:
-        return self.owner is not None
-
-    @property
     def restorable(self) -> bool:
         return self.valid
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
-
-    def _set_copy(self, keys: mx.array | None, values: mx.array | None) -> None:
-        before = self.nbytes
-        self.keys, self.values = keys, values
-        if self.on_resize is not None and self.nbytes != before:
-            self.on_resize(self.nbytes - before)
 
     def materialise(self) -> None:
         """Copy the window out of the owner's buffer now (a no-op unless lazy)."""
@@ -330,17 +331,11 @@ class WindowSnapshot:
             keys = mx.contiguous(owner.keys[..., a:b, :])
             values = mx.contiguous(owner.values[..., a:b, :])
             mx.eval(keys, values)  # stop referring to the live buffer before it changes
-        self.owner = None
-        owner._lazy.discard(self)
-        self._set_copy(keys, values)
+        self._copied_out(keys, values)
 
     def close(self) -> None:
-        if self.owner is not None:
-            self.owner._lazy.discard(self)
-            self.owner = None
-        self._set_copy(None, None)
+        super().close()
         self.valid = False
-        self.on_resize = None
 
     def split(self, at: int) -> tuple[WindowSnapshot, WindowSnapshot]:
         """``[start, at)`` and ``[at, end)``: the lower part has no window of its own (an empty
@@ -361,7 +356,7 @@ class WindowSnapshot:
         return f"WindowSnapshot([{self.start}, {self.end}), {window}, {state})"
 
 
-class RotatingKVCache:
+class RotatingKVCache(_Buffers):
     """Keys and values of one sliding-window attention layer, bounded by the window.
 
     A row at position ``p`` attends to the keys of positions ``(p - window, p]``, the
@@ -602,13 +597,3 @@ class RotatingKVCache:
             return None
         per_slot = (self.keys.nbytes + self.values.nbytes) // self.keys.shape[2]
         return per_slot * (self.window - 1)
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes

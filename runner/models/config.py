@@ -144,7 +144,7 @@ FOREIGN_KEYS: dict[str, tuple[Any, ...]] = {
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ALIASES = {"smollm": "llama", "smollm2": "llama"}
-_REQUIRED = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
              "vocab_size")  # fmt: skip
 # transformers 5's defaults for keys a config.json may omit (its config classes).
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -166,6 +166,17 @@ ACTIVATIONS = ("silu", "swish")
 def refuse(key: str, value: Any, why: str, path: str | None) -> UnsupportedArchitecture:
     """The refusal of a config key we do not implement (raise it)."""
     return UnsupportedArchitecture(f"unsupported config key {key} = {value!r}: {why}", path=path)
+
+
+def positive_ints(cfg: dict, keys: tuple[str, ...], path: str | None) -> dict[str, int]:
+    """``{key: cfg[key]}`` for keys that must be positive integers (else ``malformed``)."""
+    found = {}
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise malformed(key, f"expected a positive integer, found {value!r}", path)
+        found[key] = value
+    return found
 
 
 def malformed(key: str, why: str, path: str | None) -> CorruptModelFile:
@@ -489,11 +500,11 @@ def read_llama_family(
     if family not in FAMILIES:
         raise UnsupportedArchitecture(f"unsupported model_type {kind!r}", path=path)
     defaults = _DEFAULTS[family]
-    for key in _REQUIRED:
+    for key in SHAPE_KEYS:
         if key not in cfg:
             raise malformed(prefix + key, "required key missing", path)
     args: dict[str, Any] = {"model_type": family}
-    for key in _REQUIRED:
+    for key in SHAPE_KEYS:
         args[key] = _int(cfg, key, prefix, path)
     heads = args["num_attention_heads"]
 

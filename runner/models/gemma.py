@@ -173,13 +173,7 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
         value = cfg.get(key)
         return defaults.get(key) if value is None else value
 
-    required = {}
-    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                "vocab_size"):  # fmt: skip
-        value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise cfgs.malformed(key, f"expected a positive integer, found {value!r}", path)
-        required[key] = value
+    required = cfgs.positive_ints(cfg, cfgs.SHAPE_KEYS, path)
     layers = required["num_hidden_layers"]
     head_dim = int(get("head_dim"))
     max_pos = int(get("max_position_embeddings"))

@@ -46,13 +46,7 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     kind = cfg.get("model_type")
     if kind not in FAMILIES:
         raise UnsupportedArchitecture(f"unsupported model_type {kind!r}", path=path)
-    required = {}
-    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                "vocab_size"):  # fmt: skip
-        value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise cfgs.malformed(key, f"expected a positive integer, found {value!r}", path)
-        required[key] = value
+    required = cfgs.positive_ints(cfg, cfgs.SHAPE_KEYS, path)
     heads = required["num_attention_heads"]
 
     def get(key):
