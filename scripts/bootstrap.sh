@@ -144,7 +144,7 @@ fi
 # CPU and this MLX; rebuilt when it does not load or a source is newer. Without it the runner
 # keeps the packed layout.
 if [ -z "$mlx_cuda" ]; then
-  so="$(ls runner/native/_smallrow*.so 2>/dev/null | head -n 1)"
+  so="$(ls runner/native/_smallrow*.so 2>/dev/null | head -n 1 || true)"
   if [ -z "$so" ] || [ -n "$(find runner/native -maxdepth 1 -newer "$so" \( -name '*.cpp' -o -name '*.h' -o -name CMakeLists.txt \))" ] \
      || ! .venv/bin/python -c "import sys, runner.native as n; sys.exit(not n.available())" 2>/dev/null; then
     echo "bootstrap: building runner.native" >&2
