@@ -281,6 +281,7 @@ QUANTIZED = [
     ("llama_q4_bf16", "bfloat16", 4, 64, None,
      "mlx-lm affine 4-bit, group 64, bfloat16 scales/biases (and bfloat16 norms)"),
     ("llama_q8", "float16", 8, 64, None, "mlx-lm affine 8-bit, group 64, float16 scales"),
+    ("llama_q8_bf16", "bfloat16", 8, 64, None, "mlx-lm affine 8-bit, group 64, bfloat16 scales"),
     ("llama_q_mixed_8_4", "float16", 4, 64, "down8",
      "mlx-lm per-layer mixed quantization: down_proj 8-bit (per-layer entries in the config's "
      "quantization dict), everything else 4-bit (the top-level bits)"),

@@ -90,8 +90,7 @@ async def test_seeded_output_does_not_depend_on_speculation(
     runner = await start(default_model, extra, head_args)
     try:
         drafted = 0
-        for i in range(0, len(REQUESTS), 3):  # a third of the requests, every setting covered
-            question, options = REQUESTS[i]
+        for i, (question, options) in enumerate(REQUESTS):
             got, done = await complete(runner, question, options, True)
             assert got == plain_outputs[i], (question, options)
             drafted += done["speculation"]["drafted"]
