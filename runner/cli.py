@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-layout",
         choices=("auto", "hf", "packed", "panels"),  # runner.device.LAYOUTS (no mlx import here)
         default="auto",
-        help="how weights are stored for the device: packed (transposed, q/k/v and gate/up "
-        "fused: fast one-row products on a CPU BLAS) or hf (as loaded); auto: packed on the "
-        "CPU, hf on a GPU",
+        help="how weights are stored for the device: panels (the native few-row product's "
+        "column panels, q/k/v and gate/up fused), packed (transposed for the BLAS, fused) or "
+        "hf (as loaded); auto: panels on the CPU (packed without runner.native), hf on a GPU",
     )
     count(
         "--queue-limit", type=positive_int, default=64,
