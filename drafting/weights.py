@@ -243,6 +243,7 @@ def dequantize(
     bits: int | None = None,
     *,
     quantization: Quantization | None = None,
+    specs: Mapping[str, tuple[int, int]] | None = None,
     in_dims: Mapping[str, int] | None = None,
     path: str | None = None,
     sources: Mapping[str, str] | None = None,
@@ -252,12 +253,14 @@ def dequantize(
     float32 ``X.weight``, in place: ``q * float32(scale) + float32(bias)``, the exact float32
     values whatever dtype the scales are stored in. Each module's group size and bits come from
     ``quantization`` (per-module overrides included) or ``group_size`` / ``bits`` (None: from
-    the packed widths); see :func:`quantized_modules`, whose checks name the tensor and file."""
-    if quantization is None:
-        quantization = Quantization(QuantSpec(group_size, bits))
-    specs = quantized_modules(
-        weights, quantization, in_dims=in_dims, path=path, sources=sources, error=error
-    )
+    the packed widths); see :func:`quantized_modules`, whose checks name the tensor and file.
+    ``specs`` (what :func:`quantized_modules` returned) dequantizes just those modules."""
+    if specs is None:
+        if quantization is None:
+            quantization = Quantization(QuantSpec(group_size, bits))
+        specs = quantized_modules(
+            weights, quantization, in_dims=in_dims, path=path, sources=sources, error=error
+        )
     for base, (group, layer_bits) in specs.items():
         packed = weights[base + ".weight"]
         scales = weights.pop(base + ".scales").astype(mx.float32)

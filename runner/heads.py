@@ -30,7 +30,7 @@ from drafting.load import (
 from drafting.weights import dequantize
 from protocol.errors import DraftHeadError
 from runner import default_model
-from runner.loader import LoadedModel
+from runner.loader import LoadedModel, input_widths
 from runner.models import head_layer
 from runner.models.layers import Linear
 
@@ -176,13 +176,29 @@ def _build(
     model = loaded.model
     layers = layers or model.args.num_hidden_layers
     mapped, origin = map_weights(weights, naming, layers)
-    if any(name.endswith(".scales") for name in mapped):
-        quant = loaded.config.get("quantization") or {}
-        dequantize(mapped, int(quant.get("group_size", 64)))
     args = dataclasses.replace(model.args, **_layer_overrides(mapped))
     head = MTPHead(config, head_layer(model, args), model.embed, model.output_weight, linear=Linear)
+    if any(name.endswith(".scales") for name in mapped):
+        mapped = _dequantized(mapped, origin, input_widths(head), path)
     load_head_weights(
         head, mapped, origin, naming=naming, num_hidden_layers=layers, path=path,
         dtype=loaded.dtype, norm_shift=norm_shift,
     )  # fmt: skip
     return head
+
+
+def _dequantized(
+    mapped: dict[str, mx.array], origin: dict[str, str], widths: dict[str, int], path: str
+) -> dict[str, mx.array]:
+    """The head's tensors with every affine triple dequantized, each by its own shapes against
+    the head's input widths (a sidecar need not share the target's recipe); faults name the
+    tensor as the file spells it."""
+    raw = {origin[name]: value for name, value in mapped.items()}
+    file_widths = {
+        origin[module + ".weight"].rpartition(".")[0]: width
+        for module, width in widths.items()
+        if module + ".weight" in origin
+    }
+    dequantize(raw, in_dims=file_widths, path=path, error=DraftHeadError)
+    head_name = {file: name for name, file in origin.items()}
+    return {head_name[file]: value for file, value in raw.items()}

@@ -120,13 +120,11 @@ def input_widths(model: nn.Module) -> dict[str, int]:
 
 
 def quantize_model(
-    model: nn.Module, weights: dict[str, mx.array], specs: dict[str, tuple[int, int]] | int
+    model: nn.Module, weights: dict[str, mx.array], specs: dict[str, tuple[int, int]]
 ) -> None:
     """Turn the layers whose weights arrive quantized into QuantizedLinear/QuantizedEmbedding,
     each with its own group size and bits (``specs``: module path -> (group_size, bits), from
-    ``drafting.weights.quantized_modules``; an int is one group size for every layer)."""
-    if isinstance(specs, int):
-        specs = quantized_modules(weights, Quantization(QuantSpec(specs)))
+    ``drafting.weights.quantized_modules``)."""
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
         spec = specs.get(path)
@@ -196,18 +194,17 @@ def load_model(
         # The embedding is the head (transformers ignores a stored one too), quantized or not.
         for suffix in ("weight", "scales", "biases"):
             weights.pop(f"lm_head.{suffix}", None)
-    specs = quantized_modules(
-        weights, quantization, in_dims=input_widths(model), path=path, sources=sources
-    )
+    # Only the model's own triples: other tensors (an inline MTP head) stay as stored for
+    # their own loader, which reports their faults without failing the target.
+    widths = input_widths(model)
+    own = {k: v for k, v in weights.items() if k.rpartition(".")[0] in widths}
+    specs = quantized_modules(own, quantization, in_dims=widths, path=path, sources=sources)
     quantized = bool(specs)
     if quantized and keep_quantized:
         quantize_model(model, weights, specs)
     elif quantized:
         report("dequantize", 0, 1)
-        dequantize(
-            weights, quantization=quantization, in_dims=input_widths(model), path=path,
-            sources=sources,
-        )  # fmt: skip
+        dequantize(weights, specs=specs, path=path, sources=sources)
     extras = check_and_load(model, weights, path=path, sources=sources, dtype=target_dtype)
     refuse_unused_parameters(model, extras, sources, path)
     report("ready", 1, 1)

@@ -172,8 +172,8 @@ def filter_rows(
 def _compiled_filter(top_k: int, top_p: float, min_p: float, temperature: float):
     """``filter_rows`` compiled for one setting (traced once per row count): its ~25 small ops
     run as one graph instead of one dispatch each, most of a sampled step's overhead over a
-    greedy one. Plain sampling and the speculative rows share it, so ``sample`` still equals
-    ``draw(distributions(...))`` bit for bit."""
+    greedy one. Plain sampling, the draft head and the verify rows share it, so each draws
+    from bit-for-bit the distribution :meth:`Sampler.distributions` reports."""
 
     def run(logits: mx.array) -> tuple[mx.array, ...]:
         probs, ids = filter_rows(logits, top_k, top_p, min_p, temperature)

@@ -449,3 +449,51 @@ def test_default_model_finds_its_shipped_head_or_says_why(default_loaded):
     assert proposal.tokens.shape == (2,)
     assert all(0 <= t < model.args.vocab_size for t in proposal.tokens.tolist())
     assert ds.offset == ds.cache.offset - 1 == len(ids)
+
+
+def quantized(tensors: dict[str, mx.array], bits: dict[str, int]) -> dict[str, mx.array]:
+    """mlx-lm's affine triples for the 2-D weights (``bits``: a substring -> bits, else 4)."""
+    out = {}
+    for name, value in tensors.items():
+        if value.ndim != 2 or not name.endswith(".weight"):
+            out[name] = value
+            continue
+        width = next((b for key, b in bits.items() if key in name), 4)
+        base = name[: -len(".weight")]
+        w, scales, biases = mx.quantize(value, group_size=32, bits=width)
+        out.update({name: w, base + ".scales": scales, base + ".biases": biases})
+    return out
+
+
+def test_a_quantized_head_dequantizes_by_its_own_shapes(base, tmp_path):
+    """A sidecar head quantized with its own recipe (8-bit fc, 4-bit elsewhere, group 32,
+    unlike the float target): each triple is read from its shapes and drafts like the dense
+    head it came from, within the quantization error."""
+    loaded, head = base
+    path = sidecar(tmp_path / "q", head, loaded)
+    tensors, _ = sidecar_parts(path)
+    packed = quantized(tensors, {"fc.": 8})
+    rewrite(path, tensors=packed)
+    got, why = load_draft_head(load_model(loaded.path), path)
+    assert got is not None and path in why
+    # The same head with every triple dequantized by hand, in float32.
+    exact = sidecar(tmp_path / "exact", head, loaded)
+    dense = {k: v for k, v in packed.items() if not k.endswith((".scales", ".biases"))}
+    for name in [k for k in packed if k.endswith(".scales")]:
+        stem = name[: -len(".scales")]
+        bits = 8 if "fc." in stem + "." else 4
+        dense[stem + ".weight"] = mx.dequantize(
+            packed[stem + ".weight"], packed[name], packed[stem + ".biases"], 32, bits
+        )
+    rewrite(exact, tensors=dense)
+    want, _ = load_draft_head(load_model(loaded.path), exact)
+    np.testing.assert_allclose(head_outputs(loaded, got), head_outputs(loaded, want), atol=1e-5)
+
+
+def test_a_broken_quantized_inline_head_leaves_the_target_running(base, tmp_path):
+    loaded, head = base
+    tensors = quantized(head_tensors(head, "deepseek"), {})
+    del tensors["model.layers.2.eh_proj.biases"]
+    target = load_model(checkpoint_with(tmp_path / "broken-q", tensors))
+    none, why = load_draft_head(target)
+    assert none is None and "model.layers.2.eh_proj.biases" in why

@@ -69,7 +69,7 @@ def test_old_and_new_layouts_read_as_the_same_model(stem):
                ("old", "new")]  # fmt: skip
     if reader.model_type(configs[0]) not in llama.FAMILIES:
         pytest.skip("not a llama-family model")
-    old, new = (reader.read_llama_family(c, sliding_window_supported=True) for c in configs)
+    old, new = (reader.read_llama_family(c) for c in configs)
     assert old == new
 
 
@@ -108,7 +108,7 @@ def test_window_fields_follow_transformers():
             "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
             "max_position_embeddings": 256}  # fmt: skip
     read = lambda **kw: reader.read_llama_family(  # noqa: E731
-        {**base, **kw}, sliding_window_supported=True
+        {**base, **kw}
     )
     got = read(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
     assert got["sliding_window"] == 16
@@ -239,13 +239,6 @@ def test_llama_window_that_applies_is_refused(tiny_checkpoint, tmp_path):
     # transformers' llama masks causally but keeps a windowed cache: no model to reproduce.
     path = copy_with_config(tiny_checkpoint, tmp_path / "m", lambda c: c.update(sliding_window=16))
     refused(path, "sliding_window")
-
-
-@pytest.mark.skipif(llama.SLIDING_WINDOW, reason="sliding windows are implemented")
-def test_window_that_applies_is_refused_until_implemented(checkpoint_factory, tmp_path):
-    src = checkpoint_factory("mistral", tie_word_embeddings=False)
-    refused(copy_with_config(src, tmp_path / "m", lambda c: c.update(sliding_window=16)),
-            "sliding_window")  # fmt: skip
 
 
 def test_neutral_values_and_inference_irrelevant_keys_load(tiny_checkpoint, tmp_path):

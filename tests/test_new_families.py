@@ -154,3 +154,29 @@ def test_phi3_old_longrope_names_and_windows(tmp_path):
     whole = np.array(m.forward(mx.array([tokens[:32]]), m.make_caches())[0][0])
     np.testing.assert_allclose(np.concatenate(parts)[:32], whole, atol=1e-4, rtol=0)
     assert all(c.offset == 40 for c in caches) and caches[0].base >= 0
+
+
+@pytest.mark.parametrize("case", ["phi3_longrope_old", "phi3_longrope_new"])
+def test_phi3_partial_rotary_with_longrope_builds_and_caches_exactly(case, tmp_path):
+    """Phi-4-mini's layout: LongRoPE over a partial rotary (its factor tables sized for the
+    rotated pairs only). One RoPE per layer, built for the rotated dims: the model loads and
+    prefill-then-decode equals one forward over the whole sequence."""
+    path = tmp_path / case
+    shutil.copytree(FIXTURES / case, path)
+    config = json.loads((path / "config.json").read_text())
+    rope = config.get("rope_parameters") or config["rope_scaling"]
+    for key in ("long_factor", "short_factor"):
+        rope[key] = rope[key][:4]
+    (config["rope_parameters"] if "rope_parameters" in config else config)[
+        "partial_rotary_factor"
+    ] = 0.5
+    (path / "config.json").write_text(json.dumps(config))
+    model = load_model(str(path)).model
+    attn = model.layers[0].self_attn
+    assert attn.rope.dims == attn.head_dim // 2 and attn.rope.kind == "longrope"
+    tokens = mx.array([[5, 17, 42, 99, 7, 3, 250, 31, 64, 12]])
+    whole, _ = model.forward(tokens, model.make_caches())
+    caches = model.make_caches()
+    model.forward(tokens[:, :6], caches)
+    rows = [model.forward(tokens[:, i : i + 1], caches)[0][0, -1] for i in range(6, 10)]
+    np.testing.assert_allclose(np.array(rows[-1]), np.array(whole[0, -1]), atol=1e-4)

@@ -77,10 +77,8 @@ when ``layer_types`` says so or, without it, when i >= ``max_window_layers`` (de
 llama's reference code masks causally but keeps a windowed cache (an inconsistent model), so a
 llama window that applies is refused for good. A window applies when it is shorter than
 ``max_position_embeddings`` (the context the runner serves); a longer one never hides a key and
-is harmless. Until the attention code honours the window (``runner.models.llama``'s
-``SLIDING_WINDOW`` flag, set by whoever implements it), a config whose window applies is
-refused, naming ``sliding_window``, so the runner never computes full attention where the
-model slides.
+is harmless. A window that applies is served by the windowed caches and masks of
+``runner.models.llama``.
 """
 
 from __future__ import annotations
@@ -168,13 +166,15 @@ def refuse(key: str, value: Any, why: str, path: str | None) -> UnsupportedArchi
     return UnsupportedArchitecture(f"unsupported config key {key} = {value!r}: {why}", path=path)
 
 
-def positive_ints(cfg: dict, keys: tuple[str, ...], path: str | None) -> dict[str, int]:
+def positive_ints(
+    cfg: dict, keys: tuple[str, ...], path: str | None, prefix: str = ""
+) -> dict[str, int]:
     """``{key: cfg[key]}`` for keys that must be positive integers (else ``malformed``)."""
     found = {}
     for key in keys:
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise malformed(key, f"expected a positive integer, found {value!r}", path)
+            raise malformed(prefix + key, f"expected a positive integer, found {value!r}", path)
         found[key] = value
     return found
 
@@ -436,12 +436,26 @@ def _layer_types(cfg: dict, layers: int, prefix: str, path: str | None) -> list[
     return list(types)
 
 
-def _window_size(value, key: str, path: str | None) -> int | None:
+def window_size(value, key: str, path: str | None) -> int | None:
+    """A ``sliding_window`` value: a positive integer or None (else ``malformed``)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise malformed(key, f"expected a positive integer or null, found {value!r}", path)
     return value
+
+
+def refuse_foreign(
+    cfg: dict, family: str, prefix: str, path: str | None, keys: dict | None = None
+) -> None:
+    """Refuse, by name, a key of another architecture (``keys``, default ``FOREIGN_KEYS``)
+    whose value is not its neutral one."""
+    for key, neutral in (FOREIGN_KEYS if keys is None else keys).items():
+        if key in cfg and not any(cfg[key] is n or cfg[key] == n for n in neutral):
+            raise refuse(
+                prefix + key, cfg[key], f"not part of the {family} architecture the runner "
+                "implements (the checkpoint needs other model code)", path,
+            )  # fmt: skip
 
 
 def read_window(
@@ -454,14 +468,14 @@ def read_window(
     if family in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window", defaults["use_sliding_window"]):
             window = None
-        window = _window_size(window, prefix + "sliding_window", path)
+        window = window_size(window, prefix + "sliding_window", path)
         if types is None and window is not None:
             first = cfg.get("max_window_layers", defaults["max_window_layers"])
             if isinstance(first, bool) or not isinstance(first, int):
                 raise malformed(prefix + "max_window_layers", f"found {first!r}", path)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     else:
-        window = _window_size(window, prefix + "sliding_window", path)
+        window = window_size(window, prefix + "sliding_window", path)
         if family == "mistral" and window is not None:
             # transformers' mistral masks every layer with the window, whatever layer_types say.
             if types is not None and "full_attention" in types:
@@ -489,9 +503,7 @@ def _int(cfg: dict, key: str, prefix: str, path: str | None, *, minimum: int = 1
     return value
 
 
-def read_llama_family(
-    config: dict, path: str | None = None, *, sliding_window_supported: bool = False
-) -> dict:
+def read_llama_family(config: dict, path: str | None = None) -> dict:
     """``ModelArgs`` keyword arguments for a llama-family config (either layout, flat or
     nested), or a typed refusal naming the key (see the module docstring for every key)."""
     cfg, prefix = text_config(config)
@@ -535,12 +547,7 @@ def read_llama_family(
     act = cfg.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise refuse(prefix + "hidden_act", act, "only silu (swish) MLPs are implemented", path)
-    for key, neutral in FOREIGN_KEYS.items():
-        if key in cfg and not any(cfg[key] is n or cfg[key] == n for n in neutral):
-            raise refuse(
-                prefix + key, cfg[key], f"not part of the {family} architecture the runner "
-                "implements (the checkpoint needs other model code)", path,
-            )  # fmt: skip
+    refuse_foreign(cfg, family, prefix, path)
     traditional = cfg.get("rope_traditional", False)
     if not isinstance(traditional, bool):
         raise malformed(prefix + "rope_traditional", f"found {traditional!r}", path)
@@ -554,12 +561,6 @@ def read_llama_family(
                 prefix + "sliding_window", window.sliding_window,
                 "transformers' llama masks causally but keeps a windowed cache; no consistent "
                 "model to reproduce", path,
-            )  # fmt: skip
-        if not sliding_window_supported:
-            raise refuse(
-                prefix + "sliding_window", window.sliding_window,
-                f"sliding-window attention is not implemented yet (the window is shorter than "
-                f"the {max_pos}-token context)", path,
             )  # fmt: skip
     args["sliding_window"] = window.sliding_window
     args["layer_types"] = window.layer_types

@@ -154,16 +154,10 @@ def _ropes(cfg: dict, family: str, head_dim: int, max_pos: int, path: str | None
     return out
 
 
-def _window_size(value, key: str, path: str | None) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise cfgs.malformed(key, f"expected a positive integer or null, found {value!r}", path)
-    return value
-
-
 def model_args(config: dict, path: str | None = None) -> ModelArgs:
     """``ModelArgs`` for a ``gemma2`` / ``gemma3_text`` config (either layout); keys that
     change the math and are not implemented are refused by name."""
-    cfg, _ = cfgs.text_config(config)
+    cfg, prefix = cfgs.text_config(config)
     family = cfg.get("model_type")
     if family not in FAMILIES:
         raise UnsupportedArchitecture(f"unsupported model_type {family!r}", path=path)
@@ -173,19 +167,17 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
         value = cfg.get(key)
         return defaults.get(key) if value is None else value
 
-    required = cfgs.positive_ints(cfg, cfgs.SHAPE_KEYS, path)
+    required = cfgs.positive_ints(cfg, cfgs.SHAPE_KEYS, path, prefix)
     layers = required["num_hidden_layers"]
     head_dim = int(get("head_dim"))
     max_pos = int(get("max_position_embeddings"))
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or defaults["hidden_activation"]
     if act not in ACTIVATIONS:
         raise cfgs.refuse("hidden_activation", act, f"implemented: {', '.join(ACTIVATIONS)}", path)
-    for key, neutral in _FOREIGN.items():
-        if key in cfg and not any(cfg[key] is n or cfg[key] == n for n in neutral):
-            raise cfgs.refuse(key, cfg[key], f"not part of the {family} architecture", path)
+    cfgs.refuse_foreign(cfg, family, prefix, path, _FOREIGN)
     types = layer_types(cfg, family, layers, path)
-    window = _window_size(
-        cfg.get("sliding_window", defaults["sliding_window"]), "sliding_window", path
+    window = cfgs.window_size(
+        cfg.get("sliding_window", defaults["sliding_window"]), prefix + "sliding_window", path
     )
     if window is None and "sliding_attention" in types:
         raise cfgs.refuse("layer_types", types, "sliding layers but no sliding_window", path)
@@ -250,7 +242,7 @@ class RMSNorm(nn.Module):
 
 class GemmaAttention(Attention):
     def __init__(self, args: ModelArgs, layer_type: str = "full_attention") -> None:
-        super().__init__(args)
+        super().__init__(args, layer_type)
         gemma = settings(args)
         self.scale = gemma.query_pre_attn_scalar**-0.5
         self.softcap = gemma.attn_softcap
@@ -260,8 +252,11 @@ class GemmaAttention(Attention):
         if gemma.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        rope = gemma.rope(layer_type)
-        self.rope = RoPE(
+
+    def make_rope(self, args: ModelArgs, layer_type: str) -> RoPE:
+        """Sliding and global layers may rotate with different bases (Gemma 3)."""
+        rope = settings(args).rope(layer_type)
+        return RoPE(
             self.head_dim, base=rope.theta, scaling=rope.scaling,
             max_position_embeddings=args.max_position_embeddings,
         )  # fmt: skip

@@ -29,7 +29,6 @@ from runner.models.rope import RoPE, RopeTables
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Attention honours ModelArgs.sliding_window / layer_types (runner/models/config.py): sliding
 # layers keep a RotatingKVCache and mask each row to its window (window_mask).
-SLIDING_WINDOW = True
 
 # None (one row, or no mask), "causal", or an additive / boolean array.
 Mask = mx.array | str | None
@@ -74,14 +73,14 @@ class ModelArgs:
         (``runner.models.config.read_llama_family`` decides every key: a key that changes the
         math and is not implemented is refused there, naming it and ``path``). Keys that are
         not fields go to ``extra``."""
-        args = read_llama_family(config, path, sliding_window_supported=SLIDING_WINDOW)
+        args = read_llama_family(config, path)
         cfg, _ = text_config(config)
         extra = {k: v for k, v in cfg.items() if k not in cls.__dataclass_fields__}
         return cls(**args, extra=extra)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_type: str = "full_attention") -> None:
         super().__init__()
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
@@ -97,13 +96,17 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.rope = RoPE(
-            self.head_dim, base=args.rope_theta, traditional=args.rope_traditional,
-            scaling=args.rope_scaling, max_position_embeddings=args.max_position_embeddings,
-        )  # fmt: skip
+        self.rope = self.make_rope(args, layer_type)
         self.fast = False  # mx.fast attention instead of the composed kernel (set_kernels)
         # tanh soft-capping of the attention scores (Gemma 2): the composed kernel only.
         self.softcap: float | None = None
+
+    def make_rope(self, args: ModelArgs, layer_type: str) -> RoPE:
+        """The layer's rotation (families override it: partial rotary, per-layer-type bases)."""
+        return RoPE(
+            self.head_dim, base=args.rope_theta, traditional=args.rope_traditional,
+            scaling=args.rope_scaling, max_position_embeddings=args.max_position_embeddings,
+        )  # fmt: skip
 
     def fuse(self) -> bool:
         """Compute q, k and v in one product (see ``fuse_linears``)."""
@@ -412,7 +415,9 @@ class Model(nn.Module):
         """
         x = self.embed(tokens)
         offset, length = caches[0].offset, tokens.shape[1]
-        fast = self.model.layers[0].self_attn.fast
+        attn0 = self.model.layers[0].self_attn
+        # Soft-capped scores take the composed kernel, so they need the shared array mask.
+        fast = attn0.fast and attn0.softcap is None
         full = mask
         if mask is None and length > 1:
             # The fused kernel takes "causal" (lower-right aligned); the composed one adds a

@@ -33,20 +33,14 @@ _DEFAULTS = {
 }  # fmt: skip
 
 
-def _window_size(value, key: str, path: str | None) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise cfgs.malformed(key, f"expected a positive integer or null, found {value!r}", path)
-    return value
-
-
 def model_args(config: dict, path: str | None = None) -> ModelArgs:
     """``ModelArgs`` for a ``phi3`` config (either layout); keys that change the math and are
     not implemented are refused by name."""
-    cfg, _ = cfgs.text_config(config)
+    cfg, prefix = cfgs.text_config(config)
     kind = cfg.get("model_type")
     if kind not in FAMILIES:
         raise UnsupportedArchitecture(f"unsupported model_type {kind!r}", path=path)
-    required = cfgs.positive_ints(cfg, cfgs.SHAPE_KEYS, path)
+    required = cfgs.positive_ints(cfg, cfgs.SHAPE_KEYS, path, prefix)
     heads = required["num_attention_heads"]
 
     def get(key):
@@ -61,9 +55,7 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     act = cfg.get("hidden_act", "silu")
     if act not in cfgs.ACTIVATIONS:
         raise cfgs.refuse("hidden_act", act, "only silu (swish) MLPs are implemented", path)
-    for key, neutral in cfgs.FOREIGN_KEYS.items():
-        if key in cfg and not any(cfg[key] is n or cfg[key] == n for n in neutral):
-            raise cfgs.refuse(key, cfg[key], "not part of the phi3 architecture", path)
+    cfgs.refuse_foreign(cfg, "phi3", prefix, path)
     # Phi3Config: rope_scaling wins over rope_parameters; "su" and "yarn" are LongRoPE's old names.
     rope_cfg = dict(cfg)
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
@@ -76,7 +68,7 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     rope = cfgs.read_rope(rope_cfg, head_dim=head_dim, max_position_embeddings=max_pos, path=path)
     if isinstance(rope, dict):
         raise cfgs.refuse("rope_parameters", sorted(rope), "phi3 has one RoPE", path)
-    window = _window_size(cfg.get("sliding_window"), "sliding_window", path)
+    window = cfgs.window_size(cfg.get("sliding_window"), prefix + "sliding_window", path)
     layers = required["num_hidden_layers"]
     extra = {k: v for k, v in cfg.items() if k not in ModelArgs.__dataclass_fields__}
     extra["partial_rotary_factor"] = rope.partial_rotary_factor
@@ -100,12 +92,14 @@ class Phi3Attention(Attention):
                 delattr(self, name)
         width = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         self.qkv_proj = Linear(args.hidden_size, width, bias=False)
+
+    def make_rope(self, args: ModelArgs, layer_type: str) -> RoPE:
+        """Partial rotary: the first ``head_dim * partial_rotary_factor`` dims rotate."""
         partial = float(args.extra.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            self.rope = RoPE(
-                int(self.head_dim * partial), base=args.rope_theta, scaling=args.rope_scaling,
-                max_position_embeddings=args.max_position_embeddings, head_dim=self.head_dim,
-            )  # fmt: skip
+        return RoPE(
+            int(self.head_dim * partial), base=args.rope_theta, scaling=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings, head_dim=self.head_dim,
+        )  # fmt: skip
 
     def fuse(self) -> bool:
         """The packed ``qkv_proj`` is the fused product already: use it as one."""
