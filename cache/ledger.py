@@ -22,13 +22,22 @@ from dataclasses import dataclass, field
 class Ledger:
     emitted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
-    used: int = 0  # emitted tokens that count against the budget (close markers do not)
+    # Generated tokens the host was sent (``done.eval_tokens``; the budget counts them):
+    # not the EOS that ends generation, not close markers the runner forced.
+    used: int = 0
 
-    def emit(self, token: int, forced: Sequence[int] = ()) -> None:
-        """``token`` went to the emitter, which answered with ``forced`` close markers."""
-        self.used += 1
+    def emit(self, token: int, forced: Sequence[int] = (), *, counted: bool = True) -> None:
+        """``token`` went to the emitter, which answered with ``forced`` close markers;
+        ``counted`` False for an EOS (emitted, never streamed)."""
+        self.used += int(counted)
         self.emitted.append(int(token))
         self.emitted.extend(int(t) for t in forced)
+
+    def force(self, tokens: Sequence[int]) -> None:
+        """Close markers fed before the first generated token (a zero think budget on a span
+        the prompt opened): emitted and held by the caches, never counted."""
+        self.emitted.extend(int(t) for t in tokens)
+        self.committed.extend(int(t) for t in tokens)
 
     def commit(self, tokens: Sequence[int]) -> None:
         """``tokens`` (already emitted) now stay in the target caches."""

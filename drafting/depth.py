@@ -96,7 +96,7 @@ class DepthController:
     # -- per-request plumbing -----------------------------------------------------------------
 
     def session(self, speculative: bool = True) -> DepthSession:
-        """The per-request view; ``speculative=False`` (or logprobs) pins depth 0."""
+        """The per-request view; ``speculative=False`` pins depth 0."""
         return DepthSession(self if speculative and self.max_depth > 0 else None)
 
     def begin_request(self) -> None:

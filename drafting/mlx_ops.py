@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from drafting.accept import matched_decision
+from drafting.logprobs import LogprobRows
 from drafting.rounds import HeadError, HostError, Replay, TargetError, Verification
 from drafting.session import DraftSession
 
@@ -21,11 +22,19 @@ class MlxRoundOps:
     """``RoundOps`` over a target model, its KV caches, a draft session and the request's
     sampler. Attention caches roll back by offset, so ``capture`` is a position."""
 
-    def __init__(self, model, caches: list, draft: DraftSession | None, sampler) -> None:
+    def __init__(
+        self,
+        model,
+        caches: list,
+        draft: DraftSession | None,
+        sampler,
+        logprobs: LogprobRows | None = None,
+    ) -> None:
         self.model = model
         self.caches = caches
         self.draft = draft
         self.sampler = sampler
+        self.logprobs = logprobs  # filled from every deciding row when the request asks
         self._x_at: int | None = None  # position of the current x once it is in the history
         self._verified: tuple[int, list[int]] | None = None  # (entry position, drafts)
 
@@ -116,11 +125,14 @@ class MlxRoundOps:
             # The target's own draw at every slot of the feed: row i's token goes to entry + 1 + i.
             target = self.sampler.tokens(logits, drafts, slot=entry + 1)
             decision_accept, successors = matched_decision(target, drafts)
+            rows = self._logprob_rows(logits, successors)
         except Exception as exc:  # building the graph failed: nothing was evaluated yet
             self.rewind_quietly(entry)
             raise TargetError(f"verify forward failed: {exc}") from exc
         try:
-            mx.eval(drafts, decision_accept, successors, hidden, [c.state for c in self.caches])
+            mx.eval(
+                drafts, decision_accept, successors, hidden, rows, [c.state for c in self.caches]
+            )
         except Exception as exc:
             self.rewind_quietly(entry)
             if proposal is not None and self._proposal_fails(proposal):
@@ -128,10 +140,12 @@ class MlxRoundOps:
             raise TargetError(f"verify forward failed: {exc}") from exc
         drafted = drafts.tolist()
         self._verified = (entry, drafted)
+        successors = [int(s) for s in successors.tolist()]
+        self._keep_logprobs(entry + 1, successors, rows)
         return Verification(
             drafts=drafted,
             accept=[bool(a) for a in decision_accept.tolist()],
-            successors=[int(s) for s in successors.tolist()],
+            successors=successors,
             rows=hidden,
         )
 
@@ -144,13 +158,31 @@ class MlxRoundOps:
         try:
             ids = mx.array(list(tokens), dtype=mx.int32)
             hidden = self.model.hidden(ids[None], self.caches)[0]
-            nxt = None
+            nxt, rows = None, ()
             if successor:
-                nxt = self.sampler.tokens(self.model.unembed(hidden[-1:]), slot=slot)
-            mx.eval(hidden, [c.state for c in self.caches], *([nxt] if nxt is not None else []))
+                logits = self.model.unembed(hidden[-1:])
+                nxt = self.sampler.tokens(logits, slot=slot)
+                rows = self._logprob_rows(logits, nxt)
+            successors = [nxt] if nxt is not None else []
+            mx.eval(hidden, [c.state for c in self.caches], *successors, rows)
         except Exception as exc:
             raise TargetError(f"replay forward failed: {exc}") from exc
-        return Replay(successor=int(nxt.item()) if nxt is not None else None, rows=hidden)
+        if nxt is None:
+            return Replay(successor=None, rows=hidden)
+        token = int(nxt.reshape(-1)[0].item())
+        self._keep_logprobs(slot, [token], rows)
+        return Replay(successor=token, rows=hidden)
+
+    def _logprob_rows(self, logits: mx.array, tokens: mx.array) -> tuple:
+        """The target's log-probabilities of every deciding row (lazy), when asked."""
+        if self.logprobs is None:
+            return ()
+        return self.sampler.logprob_rows(logits, tokens, self.logprobs.top_n)
+
+    def _keep_logprobs(self, first_slot: int, tokens: list[int], rows: tuple) -> None:
+        if self.logprobs is not None:
+            chosen, ids, values = (r.tolist() for r in rows)
+            self.logprobs.put(first_slot, tokens, chosen, ids, values)
 
     def rewind_quietly(self, position: int) -> None:
         for c in self.caches:

@@ -59,7 +59,7 @@ target's token for every slot of the feed in its one sync, a replay draws its su
 slot; the driver itself never draws, and the order of the calls does not matter.
 
 Parking: ``plan()`` is the decision point. Depth 0 (the controller's choice, a disabled
-request, logprobs, a head that is not ready) makes the round target-only; the engine may run
+request, a head that is not ready) makes the round target-only; the engine may run
 the pipelined plain decoder instead (writing the same ledger) and account each of its steps
 with ``parked_round()``.
 Since the head sees every committed forward, resuming needs no extra forward: the next
@@ -244,11 +244,13 @@ def _continue(token: int) -> RoundEnd:
 @dataclass
 class _Emission:
     """How the accepted drafts went out: ``retained`` of them stay in the caches, ``judged``
-    positions count for the depth controller, ``end`` is the reason when the run ended the
+    positions count for the depth controller, ``emitted`` reached the host as generated
+    tokens (the statistics count those), ``end`` is the reason when the run ended the
     request, ``forced`` close markers to feed next, ``failure`` an emitter exception."""
 
     retained: int
     judged: int
+    emitted: int
     end: str | None = None
     forced: list[int] = field(default_factory=list)
     failure: BaseException | None = None
@@ -371,7 +373,7 @@ class RoundDriver:
             step = self._emit(token)
         except Exception as error:
             raise RoundError(error, reusable=True) from error
-        self.ledger.emit(token, step.forced)
+        self.ledger.emit(token, step.forced, counted=step.keep)
         return step
 
     def _last_token(self, step: Step) -> str | None:
@@ -459,8 +461,9 @@ class RoundDriver:
             return _continue(error.salvage)
 
         accepted = accepted_count(verified.accept)
-        self.stats.record_round(accepted)
         emitted = self._emit_drafts(verified.drafts[:accepted], k)
+        # Drafts cut by a cancel, the budget or a stop never reached the host: not counted.
+        self.stats.record_round(emitted.emitted)
         self._depth.round_finished(emitted.judged, min(accepted, emitted.judged))
 
         # RECONCILE: the target keeps [x, d1..dr]; the head gets the same run from target rows.
@@ -484,16 +487,16 @@ class RoundDriver:
             try:
                 step = self._push(token)
             except RoundError as error:
-                return _Emission(i, k, failure=error.cause)
+                return _Emission(i, k, i, failure=error.cause)
             if step.finished and not step.keep:
                 # Positions after an accepted EOS carry no verdict for the controller.
-                return _Emission(i, i + 1, end=step.reason or "stop")
+                return _Emission(i, i + 1, i, end=step.reason or "stop")
             if self._cancelled():
-                return _Emission(i, k, end="cancel")
+                return _Emission(i, k, i + 1, end="cancel")
             end = self._last_token(step)
             if step.forced or end is not None:
-                return _Emission(i + 1, k, end=end, forced=list(step.forced))
-        return _Emission(len(accepted), k)
+                return _Emission(i + 1, k, i + 1, end=end, forced=list(step.forced))
+        return _Emission(len(accepted), k, len(accepted))
 
     @staticmethod
     def _check(verified: Verification, k: int) -> None:

@@ -25,6 +25,7 @@ from cache.kv import KVCache
 from cache.ledger import Ledger, Outcome
 from drafting.depth import DepthController, FixedDepth
 from drafting.head import MTPHead
+from drafting.logprobs import LogprobRows
 from drafting.mlx_ops import MlxRoundOps
 from drafting.rounds import RoundDriver, RoundError
 from drafting.session import DraftSession
@@ -122,25 +123,31 @@ class SpeculationSession:
         emit: Callable[[int], Any],
         budget: int | None,
         speculate: bool = True,
+        logprobs: LogprobRows | None = None,
     ) -> Outcome:
         """Decode from ``seed`` (the last prompt token) with speculative rounds, parking in
         the pipelined plain loop whenever the depth is 0; ``speculate`` False parks for good
-        (the draft cache still follows every committed forward)."""
+        (the draft cache still follows every committed forward). ``logprobs`` receives the
+        target's rows of every round for the emitter to take."""
         fixed = self.owner.fixed_depth
         if fixed is not None:
             depth = FixedDepth(fixed if speculate else 0)
         else:
             depth = self.owner.depth.session(speculative=speculate)
-        ops = MlxRoundOps(model, caches, self.draft, sampler)
+        ops = MlxRoundOps(model, caches, self.draft, sampler, logprobs)
         driver = RoundDriver(
             ops, emit, cancelled, depth=depth, budget=budget, stats=self.stats,
             ledger=loop.ledger,
         )  # fmt: skip
-        return self.finish(_decode(loop, driver, seed, cancelled))
+        return self.finish(_decode(loop, driver, seed, cancelled, logprobs))
 
 
 def _decode(
-    loop: PlainLoop, driver: RoundDriver, seed: int, cancelled: Callable[[], bool]
+    loop: PlainLoop,
+    driver: RoundDriver,
+    seed: int,
+    cancelled: Callable[[], bool],
+    logprobs: LogprobRows | None = None,
 ) -> Outcome:
     """``cur`` is always the current token: sampled, not yet emitted, not yet fed; lazy while
     the plain loop has it in flight. Resuming speculation needs no extra forward: the round
@@ -156,8 +163,13 @@ def _decode(
                 return step.outcome
             cur = step.next
             continue
+        x = loop.read(cur)
+        if logprobs is not None and cur.logprobs is not None:
+            # A plain step decided x: the round emits it, so hand its row over.
+            chosen, ids, values = cur.logprobs
+            logprobs.put(loop.dec.position, [x], [chosen.item()], [ids.tolist()], [values.tolist()])
         try:
-            end = driver.round(loop.read(cur))
+            end = driver.round(x)
         except RoundError as error:
             if not error.reusable:
                 raise

@@ -36,6 +36,7 @@ class TopLogprob(msgspec.Struct):
     token: str
     id: int
     logprob: float
+    bytes: list[int] = []  # the token's UTF-8 bytes (text alone cannot carry a byte piece)
 
 
 class TokenLogprob(msgspec.Struct):
@@ -43,6 +44,7 @@ class TokenLogprob(msgspec.Struct):
     id: int
     logprob: float
     top_logprobs: list[TopLogprob] = []
+    bytes: list[int] = []
 
 
 class Token(msgspec.Struct, tag="token", tag_field="type", omit_defaults=True):

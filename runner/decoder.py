@@ -224,7 +224,7 @@ class PlainLoop:
         nxt = None if last else dec.advance(cur)
         token = self.read(cur)
         step = self.emitter.push(token, self.logprob_entry(cur))
-        ledger.emit(token, step.forced)
+        ledger.emit(token, step.forced, counted=step.keep)
         if not step.keep:
             if nxt is not None:
                 dec.unfeed(nxt)

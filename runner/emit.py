@@ -58,8 +58,10 @@ class ThinkBudget:
 
     States: "prefix" (waiting to see whether the reply opens with the marker), "open",
     "done" (no span, the model closed it, or the budget fired: it fires at most once).
-    The N-th token inside the span exhausts a budget of N (0 acts as 1); while the span's
-    text ends with a partial close marker the firing waits for the next token.
+    The N-th token inside the span exhausts a budget of N; a budget of 0 fires on the token
+    that completes the open marker (or, for a span the prompt opened, before the first token:
+    :meth:`Emitter.force_at_start`). While the span's text ends with a partial close marker
+    the firing waits for the next token.
     """
 
     def __init__(self, budget: int, *, prompt_open: bool = False) -> None:
@@ -79,6 +81,8 @@ class ThinkBudget:
                 self.state = "done"
             elif rest.startswith(OPEN_MARKER):
                 self.state = "open"
+                if self.budget == 0:
+                    return self._fire()
                 after = rest[len(OPEN_MARKER) :]
                 # The marker itself costs nothing; text after it in the same token does.
                 return bool(after) and self._inside(after)
@@ -99,10 +103,17 @@ class ThinkBudget:
         # A close marker split over tokens may be on its way: wait for it to complete or not.
         closing = any(self._tail.endswith(CLOSE_MARKER[:n]) for n in range(1, len(CLOSE_MARKER)))
         if self._count >= max(self.budget, 1) and not closing:
-            self.state = "done"
-            self.fired = True
-            return True
+            return self._fire()
         return False
+
+    def fires_at_start(self) -> bool:
+        """A budget of 0 on a span the prompt opened: close it before the first token."""
+        return self.state == "open" and self.budget == 0 and not self._count and self._fire()
+
+    def _fire(self) -> bool:
+        self.state = "done"
+        self.fired = True
+        return True
 
 
 class DuplicateCloseFilter:
@@ -215,6 +226,15 @@ class Emitter:
                 return Step(finished=True, reason="stop", forced=forced)
         self._release(final=False)
         return Step(forced=forced)
+
+    def force_at_start(self) -> list[int]:
+        """Close-marker ids to feed before the first generated token (a zero think budget
+        on a span the prompt opened), already sent as text; usually none."""
+        if self._think is None or not self._think.fires_at_start():
+            return []
+        forced = self._force_close()
+        self._release(final=False)
+        return forced
 
     def finish(self) -> None:
         """Generation ended for another reason than a stop match: release held text."""

@@ -21,6 +21,7 @@ import mlx.core as mx
 from cache.kv import KVCache
 from cache.ledger import Ledger, Outcome
 from cache.session import CacheDesyncError, CacheSession, PrefixCache
+from drafting.logprobs import LogprobEntry, LogprobRows
 from drafting.speculation import Speculation, SpeculationSession
 from drafting.stats import SpecStats
 from protocol import frames as pf
@@ -223,6 +224,28 @@ class Engine:
             **speculation,
         }
 
+    def precheck(self, request) -> None:
+        """Refuse, without tokenizing, a prompt whose length alone proves it cannot fit
+        (the reader thread calls this, so it must stay cheap)."""
+        ctx = self.info.context_length
+        if request.tokens is not None:
+            if len(request.tokens) >= ctx:
+                raise self._overflow(f"prompt is {len(request.tokens)} tokens", ctx)
+            return
+        at_least = self.tokenizer.min_tokens(request.prompt or "")
+        if at_least is not None and at_least >= ctx:
+            raise self._overflow(
+                f"prompt is at least {at_least} tokens ({len(request.prompt.encode())} bytes, "
+                f"at most {self.tokenizer.max_token_bytes} per token)", ctx,
+            )  # fmt: skip
+
+    @staticmethod
+    def _overflow(size: str, ctx: int) -> RequestError:
+        return RequestError(
+            CONTEXT_OVERFLOW,
+            f"{size} but the context holds {ctx} (at most {ctx - 1} prompt tokens)",
+        )
+
     def prepare(self, request) -> Prepared:
         """Tokenize and validate a ``protocol`` completion (any thread)."""
         if request.tokens is not None:
@@ -240,11 +263,7 @@ class Engine:
             raise RequestError(BAD_REQUEST, "prompt: empty prompt")
         ctx = self.info.context_length
         if len(prompt) >= ctx:
-            raise RequestError(
-                CONTEXT_OVERFLOW,
-                f"prompt is {len(prompt)} tokens but the context holds {ctx} "
-                f"(at most {ctx - 1} prompt tokens)",
-            )
+            raise self._overflow(f"prompt is {len(prompt)} tokens", ctx)
         opts = request.options
 
         def opt(name: str):
@@ -352,33 +371,60 @@ class Engine:
         cancelled: Callable[[], bool],
         times: Timeline,
     ) -> Outcome:
-        remaining = session.remaining
-        on_commit = spec.on_commit if spec is not None else None
-        try:
-            prefill(
-                self.model, self.caches, remaining[:-1], session.cached,
-                chunk=self._prefill_chunk, cancelled=cancelled, on_commit=on_commit,
-            )  # fmt: skip
-        except Cancelled:
-            # Keep what prefill finished; level the draft cache with the next prompt token.
-            outcome = Outcome("cancelled", final=req.prompt[self.caches[0].offset])
-            return spec.finish(outcome) if spec is not None else outcome
-        sampler = Sampler(
-            req.params,
-            history=req.prompt,
-            vocab_size=self.info.vocab_size,
-            context_length=self.info.context_length,
-        )
-
-        def send(content: str, ids: list[int], logprobs: list | None) -> None:
-            emit(pf.Token(id=req.id, content=content, tokens=list(ids), logprobs=logprobs))
-
+        send_frame = self._sender(req, emit)
         # Templates that open the reasoning span themselves end the prompt with <think>.
         opened = self.tokenizer.decode(req.prompt[-8:]).rstrip().endswith(OPEN_MARKER)
         emitter = Emitter(
             self.tokenizer, stop=req.stop, max_tokens=req.max_tokens,
-            think_budget=req.think_budget, send=send, prompt_open_think=opened,
+            think_budget=req.think_budget, send=send_frame, prompt_open_think=opened,
         )  # fmt: skip
+        # A zero think budget on a span the prompt opened closes it before the first token:
+        # the close marker is fed after the prompt, as if the prompt had ended with it.
+        forced = emitter.force_at_start()
+        ledger.force(forced)
+        sequence = [*req.prompt, *forced]
+        feed = [*session.remaining, *forced]
+        on_commit = spec.on_commit if spec is not None else None
+        try:
+            prefill(
+                self.model, self.caches, feed[:-1], session.cached,
+                chunk=self._prefill_chunk, cancelled=cancelled, on_commit=on_commit,
+            )  # fmt: skip
+        except Cancelled:
+            # Keep what prefill finished; level the draft cache with the next token.
+            offset = self.caches[0].offset
+            fed = sequence[len(req.prompt) : offset]
+            outcome = Outcome("cancelled", fed=fed, final=sequence[offset])
+            emitter.finish()
+            return spec.finish(outcome) if spec is not None else outcome
+        sampler = Sampler(
+            req.params,
+            history=sequence,
+            vocab_size=self.info.vocab_size,
+            context_length=self.info.context_length,
+        )
+        rows = LogprobRows(req.top_logprobs) if req.logprobs else None
+
+        def slot() -> int:  # where the token being emitted sits in the sequence
+            return len(req.prompt) + len(ledger.emitted)
+
+        def logprob_entry(sampled) -> pf.TokenLogprob | None:
+            """A plain step's entry: its own row, or the round's row it resumed from."""
+            if rows is None:
+                return None
+            token = int(sampled.token.item())
+            if sampled.logprobs is None:
+                return self._logprob_frame(rows.take(slot(), token))
+            chosen, top_ids, top_lps = sampled.logprobs
+            return self._logprob_frame(
+                LogprobEntry(token, float(chosen.item()), top_ids.tolist(), top_lps.tolist())
+            )
+
+        def push(token: int):
+            """The round driver's emission: the entry from the verify row that decided it."""
+            entry = None if rows is None else self._logprob_frame(rows.take(slot(), token))
+            return emitter.push(token, entry)
+
         decoder = PlainDecoder(
             self.model, self.caches, sampler,
             top_logprobs=req.top_logprobs if req.logprobs else None, on_commit=on_commit,
@@ -389,34 +435,39 @@ class Engine:
 
         loop = PlainLoop(
             decoder, emitter, ledger, max_tokens=req.max_tokens,
-            context_length=self.info.context_length, logprob_entry=self._logprob_entry,
+            context_length=self.info.context_length, logprob_entry=logprob_entry,
             on_first_token=first_token,
         )  # fmt: skip
         if spec is None:
-            outcome = decode_plain(loop, remaining[-1], cancelled)
+            outcome = decode_plain(loop, feed[-1], cancelled)
         else:
-            # Logprobs are per plain step: such requests park for good but keep the draft KV
-            # current.
             outcome = spec.decode(
-                loop, remaining[-1], cancelled, model=self.model, caches=self.caches,
-                sampler=sampler, emit=emitter.push, budget=req.max_tokens,
-                speculate=req.speculative and not req.logprobs,
+                loop, feed[-1], cancelled, model=self.model, caches=self.caches,
+                sampler=sampler, emit=push, budget=req.max_tokens,
+                speculate=req.speculative, logprobs=rows,
             )  # fmt: skip
         emitter.finish()
         return outcome
 
-    def _logprob_entry(self, sampled) -> object | None:
-        if sampled.logprobs is None:
-            return None
-        chosen, top_ids, top_lps = sampled.logprobs
-        token = int(sampled.token.item())
+    @staticmethod
+    def _sender(req: Prepared, emit: Emit) -> Callable[[str, list[int], list | None], None]:
+        def send(content: str, ids: list[int], logprobs: list | None) -> None:
+            emit(pf.Token(id=req.id, content=content, tokens=list(ids), logprobs=logprobs))
+
+        return send
+
+    def _logprob_frame(self, entry: LogprobEntry) -> pf.TokenLogprob:
+        """One token's logprob entry for a frame, with each token's text and UTF-8 bytes (a
+        byte piece's text alone is U+FFFD; its bytes let a host rebuild the text)."""
+        token_bytes = self.tokenizer.token_bytes
         piece = self.tokenizer.piece
         return pf.TokenLogprob(
-            token=piece(token),
-            id=token,
-            logprob=float(chosen.item()),
+            token=piece(entry.token),
+            id=entry.token,
+            logprob=entry.logprob,
+            bytes=list(token_bytes(entry.token)),
             top_logprobs=[
-                pf.TopLogprob(token=piece(i), id=i, logprob=lp)
-                for i, lp in zip(top_ids.tolist(), top_lps.tolist(), strict=True)
+                pf.TopLogprob(token=piece(i), id=i, logprob=lp, bytes=list(token_bytes(i)))
+                for i, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)
             ],
         )

@@ -57,6 +57,14 @@ class NoopEngine:
             "speculation": {},
         }
 
+    def precheck(self, request: Completion) -> None:
+        size = len(request.tokens) if request.tokens is not None else len(request.prompt.encode())
+        if size >= CONTEXT_LENGTH:
+            raise CodedError(
+                f"prompt is {size} tokens but the context holds {CONTEXT_LENGTH}",
+                code=CONTEXT_OVERFLOW,
+            )
+
     def prepare(self, request: Completion) -> NoopPrepared:
         if request.tokens is not None:
             prompt = list(request.tokens)

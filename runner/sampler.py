@@ -348,13 +348,23 @@ class Sampler:
 
         The top list is sorted by descending logprob; ``top_n`` is clamped to [0, vocab].
         """
-        row = logits.reshape(-1).astype(mx.float32)
-        logp = row - mx.logsumexp(row)
-        chosen = mx.take(logp, _as_tokens(token)[0])
-        n = max(0, min(int(top_n), row.shape[0]))
+        chosen, ids, values = self.logprob_rows(logits.reshape(1, -1), token, top_n)
+        return chosen[0], ids[0], values[0]
+
+    @staticmethod
+    def logprob_rows(logits: mx.array, tokens, top_n: int) -> tuple[mx.array, mx.array, mx.array]:
+        """:meth:`logprobs` for every row of ``logits [R, V]`` with ``tokens [R]`` the chosen
+        ids: ``[R]``, ``[R, n]``, ``[R, n]``, lazy (a verify feed's rows in one go)."""
+        rows = logits.astype(mx.float32)
+        logp = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logp, _as_tokens(tokens)[:, None], axis=-1)[:, 0]
+        vocab = rows.shape[-1]
+        n = max(0, min(int(top_n), vocab))
         if n == 0:
-            return chosen, mx.zeros((0,), dtype=mx.int32), mx.zeros((0,), dtype=mx.float32)
-        top = mx.argpartition(logp, kth=row.shape[0] - n)[row.shape[0] - n :]
-        values = logp[top]
-        order = mx.argsort(-values)
-        return chosen, top[order].astype(mx.int32), values[order]
+            empty = (rows.shape[0], 0)
+            return chosen, mx.zeros(empty, dtype=mx.int32), mx.zeros(empty, dtype=mx.float32)
+        top = mx.argpartition(logp, kth=vocab - n, axis=-1)[:, vocab - n :]
+        values = mx.take_along_axis(logp, top, axis=-1)
+        order = mx.argsort(-values, axis=-1)
+        ids = mx.take_along_axis(top, order, axis=-1).astype(mx.int32)
+        return chosen, ids, mx.take_along_axis(values, order, axis=-1)

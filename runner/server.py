@@ -1,17 +1,24 @@
-"""The runner process: stdin reader thread, completion queue, inference thread, stdout writer.
+"""The runner process: stdin reader thread, preparation thread, completion queue, inference
+thread, stdout writer.
 
 Threads and their jobs:
 - the main thread is the inference thread: it builds the engine (every MLX call, loading
   included, happens on it), sends `ready`, then runs queued completions one at a time in
-  arrival order; SIGTERM/SIGINT handlers run on it between steps;
-- the reader thread reads stdin in bounded chunks, decodes each line and answers it: completions
-  are prepared (tokenized) here and queued, cancel/tokenize/detokenize/status are answered at
-  once without waiting for the running completion.
+  arrival order;
+- the reader thread reads stdin in bounded chunks, decodes each line and answers control lines
+  at once (cancel, status, shutdown), so they never wait behind a long prompt; a completion is
+  checked (id, queue room, a prompt whose byte length alone proves it cannot fit) and handed on;
+- the preparation thread tokenizes completions (then queues them) and answers tokenize and
+  detokenize, in arrival order;
+- a signal thread takes SIGTERM/SIGINT (blocked on every thread, so pending until taken) and
+  starts the shutdown within a poll interval, even while the inference thread is inside a
+  long MLX call (Python runs signal handlers on the main thread only between bytecodes).
 Every frame goes through one FrameWriter: one lock, one write and one flush per frame.
 
 A completion rejected before it starts (bad field, duplicate id, full queue, prompt too long)
-gets exactly one `error` frame and no `done`. A completion that was queued gets exactly one
-`done`, also when it is cancelled before it runs or when generation fails.
+gets exactly one `error` frame and no `done`. A completion that was accepted (handed to the
+preparation thread) gets exactly one `done`, also when it is cancelled before it runs or when
+generation fails.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import collections
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -54,6 +62,8 @@ log = logging.getLogger("mtp_runner.server")
 
 READ_CHUNK = 1 << 16
 TOO_LONG = object()  # yielded by split_lines in place of a line over the limit
+SHUTDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+SIGNAL_POLL_S = 0.01  # how often the signal thread takes pending shutdown signals
 STATUS_FIELDS = ("cache_entries", "cache_bytes", "memory_bytes", "speculation_depth", "speculation")
 
 ProgressFn = Callable[[str, int, int], None]
@@ -131,7 +141,7 @@ class Job:
     """A completion from the moment it is queued until its done frame is written."""
 
     request: Completion
-    prepared: Any
+    prepared: Any = None  # None while the preparation thread tokenizes it
     cancel: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
     token_frames: int = 0
@@ -159,9 +169,14 @@ class Server:
         self._lock = threading.RLock()
         self._wakeup = threading.Condition(self._lock)
         self._queue: collections.deque[Job] = collections.deque()
-        self._jobs: dict[str, Job] = {}  # queued and running completions by id
+        # Completions being tokenized, then tokenize/detokenize requests, in arrival order.
+        self._preparing: collections.deque[Job | Tokenize | Detokenize] = collections.deque()
+        self._jobs: dict[str, Job] = {}  # preparing, queued and running completions by id
         self._running: Job | None = None
         self._closing = False  # no more completions: finish the queue and exit
+        self._signalled: int | None = None  # the first shutdown signal, once one arrived
+        self._signals_blocked = False  # serve(handle_signals=True) took SIGTERM/SIGINT
+        self._signal_lock = threading.Lock()  # taken before self._lock, never after
         self.load_failed = False
         writer.on_closed = self.cancel_all
 
@@ -176,35 +191,67 @@ class Server:
 
         Runs the inference loop on the calling thread, which should be the main thread: MLX
         state built on another thread is torn down by thread-local destructors that abort
-        the process if they race with interpreter shutdown.
+        the process if they race with interpreter shutdown. ``handle_signals`` (the process's
+        own entry point only) takes SIGTERM/SIGINT for the rest of the process's life: the
+        handlers are never restored, so a signal during the exit is ignored, not fatal.
         """
-        previous = self._install_signals() if handle_signals else {}
-        try:
-            self._inference_main(load, read)
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+        if handle_signals:
+            self._install_signals()
+        self._inference_main(load, read)
+        if handle_signals:
+            # Nothing is left to cancel. Ignored (not handled) signals stay ignored through
+            # interpreter finalization, which resets handled ones to the fatal default.
+            for signum in SHUTDOWN_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
         return 1 if self.load_failed else 0
 
-    def _install_signals(self) -> dict:
-        previous = {}
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, self._on_signal)
-        return previous
+    def _install_signals(self) -> None:
+        # SIGTERM/SIGINT are blocked on this thread before any other thread exists (MLX and
+        # BLAS start theirs while loading), so they stay pending on the process until taken
+        # with sigtimedwait: never run as handlers, never fatal, whatever any thread is
+        # doing. The Python-level handler is a backstop for a thread that unblocks them.
+        signal.pthread_sigmask(signal.SIG_BLOCK, SHUTDOWN_SIGNALS)
+        for signum in SHUTDOWN_SIGNALS:
+            signal.signal(signum, _ignore_signal)
+        self._signals_blocked = True
+        threading.Thread(target=self._watch_signals, name="signals", daemon=True).start()
 
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        log.info("received %s: cancelling everything", signal.Signals(signum).name)
-        # The handler runs on the main thread, which may hold the lock right now: hand the
-        # work to a thread of its own instead of taking the lock here.
-        threading.Thread(target=self.cancel_all, name="cancel", daemon=True).start()
+    def _watch_signals(self) -> None:
+        while True:
+            self.poll_signals()
+            time.sleep(SIGNAL_POLL_S)
+
+    def poll_signals(self) -> None:
+        """Take and act on the shutdown signals sent so far. The reader calls it before
+        accepting a completion too, so a line the host wrote after signalling is refused."""
+        if not self._signals_blocked:
+            return
+        # Taking a signal and acting on it are one step: a reader never sees "no signal"
+        # while the signal thread holds one it has not acted on yet.
+        with self._signal_lock:
+            while (info := signal.sigtimedwait(SHUTDOWN_SIGNALS, 0)) is not None:
+                self.on_signal(info.si_signo)
+
+    def on_signal(self, signum: int) -> None:
+        """The first SIGTERM/SIGINT shuts down (cancel everything, refuse new completions);
+        any later one is logged and ignored."""
+        name = _signal_name(signum)
+        if self._signalled is not None:
+            log.info("received %s during shutdown: ignored", name)
+            return
+        self._signalled = signum
+        log.info("received %s: cancelling everything", name)
+        self.cancel_all()
 
     def cancel_all(self) -> None:
         """Stop taking completions, cancel the queued ones (done frames) and the running one."""
         with self._lock:
             self._closing = True
-            dropped = list(self._queue)
+            dropped = [j for j in self._preparing if isinstance(j, Job)] + list(self._queue)
             self._queue.clear()
             for job in dropped:
+                if job.finished:
+                    continue
                 self._jobs.pop(job.request.id, None)
                 job.finished = True
                 # Written under the lock so the inference loop cannot exit before they are out.
@@ -246,6 +293,7 @@ class Server:
                 info.blas,
             )
         )
+        threading.Thread(target=self._prepare_loop, daemon=True, name="prepare").start()
         reader = threading.Thread(target=self.read_loop, args=(read,), daemon=True, name="reader")
         reader.start()
         while (job := self._next_job()) is not None:
@@ -257,7 +305,7 @@ class Server:
     def _next_job(self) -> Job | None:
         with self._lock:
             while not self._queue:
-                if self._closing:
+                if self._closing and not any(isinstance(j, Job) for j in self._preparing):
                     return None
                 self._wakeup.wait()
             job = self._queue.popleft()
@@ -286,11 +334,14 @@ class Server:
             log.warning("dropping a %s frame sent after done", type(frame).__name__)
             return
         if isinstance(frame, Done):
-            # Forget the id before the host can see the done, so it may reuse the id at once.
+            # Forget the id (and stop reporting it as active) before the host can see the
+            # done, so it may reuse the id at once and a status never names a finished job.
             with self._lock:
                 job.finished = True
                 if self._jobs.get(job.request.id) is job:
                     del self._jobs[job.request.id]
+                if self._running is job:
+                    self._running = None
         elif isinstance(frame, protocol.Token) and self.fault_id == job.request.id:
             job.token_frames += 1
             if job.token_frames == 2:
@@ -341,39 +392,98 @@ class Server:
             self._cancel(request.id)
         elif isinstance(request, Shutdown):
             return False
-        else:
+        elif isinstance(request, Status):
             self._answer(request)
+        else:  # tokenize, detokenize: behind the completions read before them
+            with self._lock:
+                self._preparing.append(request)
+                self._wakeup.notify_all()
         return True
 
     def _submit(self, request: Completion) -> None:
+        """Check what can be checked without tokenizing, then hand the completion on."""
         request_id = request.id
+        self.poll_signals()
         with self._lock:
             refusal = None
+            waiting = len(self._queue) + sum(isinstance(j, Job) for j in self._preparing)
             if request_id in self._jobs:
                 refusal = (DUPLICATE_ID, f"a completion with id {request_id!r} is in progress")
-            elif self._closing:
+            elif self._closing or self._signalled is not None:
                 refusal = (OVERLOADED, "the runner is shutting down")
-            elif len(self._queue) >= self.queue_limit:
+            elif waiting >= self.queue_limit:
                 refusal = (OVERLOADED, f"queue full ({self.queue_limit} completions waiting)")
         if refusal:
             self.writer.write(Error(request_id, *refusal))
             return
         try:
-            prepared = self.engine.prepare(request)
+            self.engine.precheck(request)
         except Exception as exc:
             self.writer.write(error_frame(request_id, exc))
             return
-        job = Job(request, prepared)
         with self._lock:
             # Only this thread adds jobs, so the checks above still hold, except closing.
             if self._closing:
                 refusal = (OVERLOADED, "the runner is shutting down")
             else:
+                job = Job(request)
                 self._jobs[request_id] = job
-                self._queue.append(job)
+                self._preparing.append(job)
                 self._wakeup.notify_all()
         if refusal:
             self.writer.write(Error(request_id, *refusal))
+
+    # ------------------------------------------------------------------ preparation thread
+    def _prepare_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._preparing:
+                    self._wakeup.wait()
+                item = self._preparing[0]
+            try:
+                if isinstance(item, Job):
+                    self._prepare(item)
+                else:
+                    self._answer(item)
+            except Exception as exc:  # a bug here must not stop the thread
+                log.error("preparation failed: %s", exc, exc_info=True)
+                if isinstance(item, Job):
+                    self._fail_accepted(item, exc)
+            finally:
+                with self._lock:
+                    self._preparing.popleft()
+                    self._wakeup.notify_all()
+
+    def _fail_accepted(self, job: Job, exc: Exception) -> None:
+        """An accepted completion that cannot be queued still gets its error and one done."""
+        with self._lock:
+            if job.finished:
+                return
+            job.finished = True
+            if self._jobs.get(job.request.id) is job:
+                del self._jobs[job.request.id]
+            self.writer.write(error_frame(job.request.id, exc))
+            self.writer.write(Done(job.request.id, "error"))
+
+    def _prepare(self, job: Job) -> None:
+        """Tokenize one accepted completion and queue it; a refusal is its one error frame.
+        Held in ``_preparing`` meanwhile, so a cancel or shutdown finds it."""
+        request_id = job.request.id
+        try:
+            prepared, failure = self.engine.prepare(job.request), None
+        except Exception as exc:
+            prepared, failure = None, exc
+        with self._lock:
+            if job.finished:  # cancelled while it was being tokenized: its done is out
+                return
+            if failure is None:
+                job.prepared = prepared
+                self._queue.append(job)
+                return
+            if self._jobs.get(request_id) is job:
+                del self._jobs[request_id]
+            job.finished = True
+            self.writer.write(error_frame(request_id, failure))
 
     def _cancel(self, request_id: str) -> None:
         with self._lock:
@@ -382,7 +492,9 @@ class Server:
             if job is None:
                 pass
             elif queued:
-                self._queue.remove(job)
+                if job in self._queue:
+                    self._queue.remove(job)
+                # A job still being tokenized stays in _preparing; finished makes it drop.
                 del self._jobs[request_id]
                 job.finished = True
             else:
@@ -395,7 +507,8 @@ class Server:
             self.writer.write(cancelled_done(request_id))
 
     def _answer(self, request: Tokenize | Detokenize | Status) -> None:
-        """tokenize/detokenize/status: answered here, concurrently with a running completion."""
+        """status (reader thread), tokenize/detokenize (preparation thread): answered
+        concurrently with a running completion."""
         try:
             if isinstance(request, Tokenize):
                 frame = TokensFrame(request.id, list(self.engine.tokenize(request.text)))
@@ -422,10 +535,23 @@ class Server:
     def _status(self, request: Status) -> StatusFrame:
         state = self.engine.status()
         with self._lock:
-            queue_length = len(self._queue)
+            queue_length = len(self._queue) + sum(
+                isinstance(j, Job) and not j.finished for j in self._preparing
+            )
             active = self._running.request.id if self._running is not None else None
         values = {name: state[name] for name in STATUS_FIELDS if name in state}
         return StatusFrame(request.id, queue_length, active, **values)
+
+
+def _ignore_signal(_signum: int, _frame: object) -> None:
+    """The Python-level handler: the signal thread has already acted on the signal."""
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def cancelled_done(request_id: str) -> Done:

@@ -48,6 +48,23 @@ def _uses_byte_level(spec: dict) -> bool:
     return walk(spec.get("decoder")) or walk(spec.get("pre_tokenizer"))
 
 
+def _length_preserving(normalizer: dict | None) -> bool:
+    """Whether a normalizer never shortens the text (so the byte-length bound holds):
+    none at all, or prepends and literal replacements that do not shrink."""
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_length_preserving(n) for n in normalizer.get("normalizers", []))
+    if kind == "Prepend":
+        return True
+    if kind == "Replace":
+        pattern, content = normalizer.get("pattern", {}), normalizer.get("content", "")
+        literal = pattern.get("String") if isinstance(pattern, dict) else None
+        return literal is not None and len(content.encode()) >= len(literal.encode())
+    return False
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the model's BOS/EOS rules and a token-to-bytes table."""
 
@@ -66,6 +83,16 @@ class Tokenizer:
         self.add_bos = bool(add_bos and bos_id is not None)
         self.vocab_size = max(vocab_size or 0, hf.get_vocab_size(with_added_tokens=True))
         self._bytes = self._build_byte_table()
+        self.max_token_bytes = max((len(b) for b in self._bytes), default=0)
+        self.length_preserving = _length_preserving(json.loads(hf.to_str()).get("normalizer"))
+
+    def min_tokens(self, text: str) -> int | None:
+        """A lower bound on ``len(encode(text))`` from the byte length alone (each token
+        covers at most ``max_token_bytes`` of the text), or None when a normalizer may
+        shrink the text first."""
+        if not self.length_preserving or self.max_token_bytes <= 0:
+            return None
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self.max_token_bytes)
 
     def _build_byte_table(self) -> list[bytes]:
         spec = json.loads(self.hf.to_str())

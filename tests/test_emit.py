@@ -334,13 +334,33 @@ def test_think_budget_fires_on_the_nth_content_token(tok):
     )
 
 
-def test_think_budget_zero_fires_on_the_first_content_token(tok):
-    sink = Sink()
+def test_think_budget_zero_closes_the_span_before_any_content_token(tok):
+    sink, open_ids, close = Sink(), tok.encode("<think>"), tok.encode("</think>")
     em = Emitter(tok, send=sink, think_budget=0)
-    steps = push_all(em, tok.encode("<think>"))
+    steps = push_all(em, open_ids)
+    assert [s.forced for s in steps] == [[]] * (len(open_ids) - 1) + [close]
+    assert em.force_at_start() == []  # the reply opened the span: nothing at the start
+    push_all(em, letters(tok, "q"))
+    em.finish()
+    assert sink.text == "<think></think>q"
+
+
+def test_think_budget_zero_on_a_prompt_opened_span_forces_before_the_first_token(tok):
+    sink, close = Sink(), tok.encode("</think>")
+    em = Emitter(tok, send=sink, think_budget=0, prompt_open_think=True)
+    assert em.force_at_start() == close
+    assert sink.ids == close and sink.text == "</think>"
+    assert em.generated == 0 and em.emitted == close
+    assert em.force_at_start() == []  # fires once
+    steps = push_all(em, letters(tok, "ab"))
+    em.finish()
     assert not any(s.forced for s in steps)
-    assert em.push(letters(tok, "q")[0]).forced == tok.encode("</think>")
-    assert sink.text == "<think>q</think>"
+    assert sink.text == "</think>ab"
+
+
+def test_a_positive_budget_never_forces_at_the_start(tok):
+    em = Emitter(tok, send=Sink(), think_budget=1, prompt_open_think=True)
+    assert em.force_at_start() == []
 
 
 def test_model_closing_itself_never_fires(tok):

@@ -167,7 +167,8 @@ def test_exactly_one_of_prompt_and_tokens(fields):
             "bad_json",
             None,
         ),
-        (b"[" * 100000 + b"]" * 100000, "unknown_type", None),
+        (b"[" * 100000 + b"]" * 100000, "bad_json", None),  # too deep, whatever the type
+        (b"[1, 2", "bad_json", None),
         (b"[]", "unknown_type", None),
         (b"null", "unknown_type", None),
         (b'"status"', "unknown_type", None),
@@ -187,8 +188,41 @@ def test_refusals_are_classified(raw, code, request_id):
     assert error.frame() == Error(request_id, code, error.message)
 
 
-def test_lone_surrogate_escape_is_refused():
-    assert refusal(b'{"type": "tokenize", "id": "t", "text": "\\ud800"}').code == "bad_json"
+@pytest.mark.parametrize(
+    ("text", "unit", "half"),
+    [
+        (b"\\ud800", "d800", "high"),  # at the end of the string (msgspec: "truncated")
+        (b"ab\\udc00cd", "dc00", "low"),
+        (b"\\ud83dx", "d83d", "high"),
+        (b"\\ud800\\u0041", "d800", "high"),  # a pair whose second half is not a low one
+    ],
+)
+def test_lone_surrogate_escapes_are_bad_json_naming_the_escape(text, unit, half):
+    raw = b'{"type": "tokenize", "id": "t", "text": "' + text + b'"}'
+    error = refusal(raw)
+    assert error.code == "bad_json"
+    assert f"lone UTF-16 surrogate escape \\u{unit} ({half} half" in error.message
+    assert f"at byte {raw.index(b'u' + unit.encode()) - 1}" in error.message
+
+
+def test_escaped_backslashes_and_real_pairs_are_not_surrogate_errors():
+    assert decode_request(b'{"type":"tokenize","id":"t","text":"\\\\ud800"}').text == "\\ud800"
+    pair = b'{"type":"tokenize","id":"t","text":"\\ud83d\\ude00"}'
+    assert decode_request(pair).text == "\U0001f600"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"type": "completion", "prompt": "x"}', "id: missing required field"),
+        (b'{"type": "cancel"}', "id: missing required field"),
+        (b'{"type": "tokenize", "id": "t"}', "text: missing required field"),
+        (b'{"type": "detokenize", "id": "d"}', "tokens: missing required field"),
+    ],
+)
+def test_missing_fields_are_named_first(raw, message):
+    error = refusal(raw)
+    assert error.code == "bad_request" and error.message == message
 
 
 # ---------------------------------------------------------------------------- frames

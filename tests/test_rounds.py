@@ -144,6 +144,8 @@ def test_accepted_eos_at_each_draft_position(position):
     assert driver.committed == [X, *drafts[: position - 1]]  # ... never committed
     assert ops.events("replay") == []
     assert driver.stats.rounds == 1
+    # the EOS is not a generated token for the host: not counted as accepted
+    assert driver.stats.accepted == position - 1 and driver.used == position
     # positions after the accepted EOS carry no verdict
     assert controller.state()["samples"] == [1] * position + [0] * (3 - position)
     check_state(ops, driver)
@@ -164,6 +166,9 @@ def test_cancel_at_a_draft_keeps_the_emitted_prefix_before_it():
     assert em.pushed == [X, 12]
     assert driver.committed == [X]
     assert ops.events("rewind") == [("rewind", len(PROMPT) + 1)]
+    # Two drafts were accepted, one reached the host before the cancel: the stats say one.
+    assert (driver.stats.accepted, driver.stats.accepted_per_depth) == (1, [0, 1])
+    assert driver.used == 2
     check_state(ops, driver)
 
 
@@ -177,6 +182,7 @@ def test_budget_exhausted_mid_run_commits_the_retained_prefix(who):
     assert driver.round(X) == RoundEnd("length")
     assert ops.events("head_step") == [("head_step", X, 2)]  # k = remaining - 1
     assert driver.committed == [X, 12, 13] and em.pushed == [X, 12, 13]
+    assert driver.stats.accepted == 2 and driver.used == 3
     check_state(ops, driver)
 
 

@@ -30,15 +30,22 @@ def model_and_head(tiny_checkpoint, tmp_path_factory):
     return tiny_checkpoint, head_dir
 
 
-def run(engine: Engine, prompt: str, **options) -> tuple[list[int], object, int]:
+REQUEST_FIELDS = ("speculative", "logprobs", "top_logprobs", "think_budget")
+
+
+def run_frames(engine: Engine, prompt: str, **options) -> list:
     frames: list = []
-    extra = {k: options.pop(k) for k in ("speculative", "logprobs", "think_budget") if k in options}
+    extra = {k: options.pop(k) for k in REQUEST_FIELDS if k in options}
     request = Completion(id="r", prompt=prompt, options=Options(**options), **extra)
     engine.run(engine.prepare(request), frames.append, lambda: False)
+    assert type(frames[-1]).__name__ == "Done", frames[-1]
+    return frames
+
+
+def run(engine: Engine, prompt: str, **options) -> tuple[list[int], object, int]:
+    frames = run_frames(engine, prompt, **options)
     tokens = [t for f in frames if type(f).__name__ == "Token" for t in f.tokens]
-    done = frames[-1]
-    assert type(done).__name__ == "Done", frames[-1]
-    return tokens, done, engine.caches[0].offset
+    return tokens, frames[-1], engine.caches[0].offset
 
 
 GREEDY = {"temperature": 0, "repeat_penalty": 1.0}
@@ -72,15 +79,53 @@ def test_greedy_speculation_equals_plain_for_every_depth_and_budget(model_and_he
     assert accepted > 20  # the runs really exercised accepted drafts
 
 
-def test_speculation_off_and_logprobs_park_but_keep_the_draft_cache(model_and_head):
+def test_speculation_off_parks_but_keeps_the_draft_cache(model_and_head):
     path, head_dir = model_and_head
     engine = Engine(EngineOptions(model_path=path, draft_path=head_dir, draft_depth=3))
     _, done, _ = run(engine, PROMPTS[0], num_predict=12, speculative=False, **GREEDY)
     assert done.speculation.rounds == 0 and done.speculation.drafted == 0
     assert engine.draft_cache.offset == engine.caches[0].offset
-    _, done, _ = run(engine, PROMPTS[1], num_predict=12, logprobs=True, **GREEDY)
-    assert done.speculation.rounds == 0
-    assert engine.draft_cache.offset == engine.caches[0].offset
+
+
+def logprob_entries(frames) -> list:
+    return [e for f in frames if type(f).__name__ == "Token" for e in (f.logprobs or [])]
+
+
+SEEDED = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "seed": 7, "repeat_penalty": 1.0}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_logprobs_come_from_the_verify_rows_and_equal_plain_decoding(model_and_head, sampling):
+    """Speculation no longer parks for logprobs: every accepted draft, bonus and correction
+    gets the entry of the verify row that decided it, equal to plain decoding's."""
+    path, head_dir = model_and_head
+    plain = Engine(EngineOptions(model_path=path, use_draft=False, prefix_cache=False))
+    tok = plain.tokenizer
+    rounds = 0
+    for depth in (1, 2, 4):
+        spec = Engine(
+            EngineOptions(model_path=path, draft_path=head_dir, draft_depth=depth,
+                          prefix_cache=False)
+        )  # fmt: skip
+        for prompt in PROMPTS:
+            for budget in (1, 7, 20):
+                kw = dict(num_predict=budget, logprobs=True, top_logprobs=3, **sampling)
+                want = run_frames(plain, prompt, **kw)
+                got = run_frames(spec, prompt, **kw)
+                rounds += got[-1].speculation.rounds
+                ids = [t for f in got if type(f).__name__ == "Token" for t in f.tokens]
+                a, b = logprob_entries(want), logprob_entries(got)
+                assert [e.id for e in b] == ids == [e.id for e in a], (depth, prompt, budget)
+                for x, y in zip(a, b, strict=True):
+                    assert y.logprob == pytest.approx(x.logprob, abs=1e-5)
+                    assert [t.id for t in y.top_logprobs] == [t.id for t in x.top_logprobs]
+                    assert [t.logprob for t in y.top_logprobs] == pytest.approx(
+                        [t.logprob for t in x.top_logprobs], abs=1e-5
+                    )
+                    assert bytes(y.bytes) == tok.token_bytes(y.id)
+                    assert all(bytes(t.bytes) == tok.token_bytes(t.id) for t in y.top_logprobs)
+                assert spec.draft_cache.offset == spec.caches[0].offset
+    assert rounds > 20  # the requests really ran speculative rounds
 
 
 def test_prefix_cache_with_a_draft_head_is_lossless(model_and_head):
