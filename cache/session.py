@@ -12,6 +12,17 @@ window. ``begin`` restores the deepest point at or below the match that every ca
 (``cached`` reports it) and pins, in the windowed caches, the positions where ``close`` will
 want windows (the snapshot points, where the prompt leaves the trie, the matched node ends
 past the restore point), so they are kept when prefill passes them.
+
+Recurrent layers (``cache.recurrent``) are windowed caches whose "window" is their whole state,
+so with any windowed cache a session also wants node boundaries where the next request is
+likely to resume, since a state exists only where one was kept: the prompt's end (a regenerated
+answer, or a next turn whose history differs from the answer, e.g. a stripped reasoning span),
+the point the session itself resumed from (the previous answer's end: an edited last message
+goes back there) and, as for every model, the end of the answer (where ``close`` indexes the
+caches; the next chat turn resumes there) and every ``snapshot_interval`` tokens of a long
+prefill. Their copies count against the byte budget like any other: off the live path whole
+nodes go first (``PrefixTrie.evict``), then the windowed copies of the live path itself, least
+recently used first (the live path's full-cache ranges cost nothing, its windowed copies do).
 """
 
 from __future__ import annotations
@@ -43,17 +54,39 @@ def trie_keys(tokens: Sequence[int], pair: bool) -> list[int]:
     return [(a << 32) | b for a, b in zip(tokens, tokens[1:], strict=False)]
 
 
+def level_caches(caches: Sequence) -> int:
+    """Rest every cache at one offset and return it: the lowest offset, or, where a layer that
+    returns only to states it holds (``cache.recurrent``: ``rewind_points``) holds none there,
+    the deepest position at or below it that every such layer holds (0 at worst). A discarded
+    draft head leaves its cache below the target's this way."""
+    low = min((c.offset for c in caches), default=0)
+    exact = [c for c in caches if callable(getattr(c, "rewind_points", None))]
+    if exact and not all(c.can_rewind(low) for c in exact):
+        held = [{p for p in c.rewind_points() if p <= low} for c in exact]
+        low = max(set.intersection(*held) | {0})
+    for c in caches:
+        c.rewind(low)
+    return low
+
+
 class CacheSession:
     """One request's view of the prefix cache; see ``PrefixCache.begin``."""
 
     def __init__(
-        self, owner: PrefixCache, prompt: list[int], cached: int, points: list[int]
+        self,
+        owner: PrefixCache,
+        prompt: list[int],
+        cached: int,
+        points: list[int],
+        boundaries: Sequence[int] = (),
     ) -> None:
         self._owner = owner
         self.prompt = prompt
         self.cached = cached  # prompt tokens restored from the cache
         self.remaining = prompt[cached:]  # still to evaluate; the last one seeds decoding
         self._points = points
+        # Where ``close`` keeps node boundaries: the points, and resume points outside them.
+        self.boundaries = sorted({*points, *boundaries})
         self.recorded: list[int] = []
         self.closed = False
 
@@ -140,19 +173,19 @@ class PrefixCache:
         if self.enabled:
             path, matched = self.trie.match(trie_keys(prompt, self.pair_keys))
             cached = self._switch(path, min(matched, len(prompt) - 1))
-            points = self._points(len(prompt), cached)
-            self._pin(path, points, cached, matched, len(prompt))
+            resume = self._resume_points(len(prompt), cached)
+            points = self._points(len(prompt), cached, resume)
+            self._pin(path, points, cached, matched, len(prompt), resume)
         else:
             self._rewind_all(0)
             self._live = [self.trie.root]
-            cached, points = 0, []
-        self._open = CacheSession(self, prompt, cached, points)
+            cached, points, resume = 0, [], []
+        self._open = CacheSession(self, prompt, cached, points, resume)
         return self._open
 
     def _level(self) -> None:
         """Rest every cache at the lowest offset and trim the live path to what they hold."""
-        low = min((c.offset for c in self.caches), default=0)
-        self._rewind_all(low)
+        low = level_caches(self.caches)
         self._live = [n for n in self._live if n.end <= low]
 
     def _rewind_all(self, offset: int) -> None:
@@ -207,20 +240,24 @@ class PrefixCache:
         node = ends.get(t)
         return node is not None and node.snapshots and cache.can_restore(node.snapshots[i])
 
-    def _pin(self, path: list[Node], points: list[int], cached: int, matched: int, length: int):
+    def _pin(self, path: list[Node], points: list[int], cached: int, matched: int, length: int,
+             resume: Sequence[int] = ()):  # fmt: skip
         """Ask windowed caches to keep their window where ``close`` may put node boundaries:
         the snapshot points, where the prompt leaves the trie (a split) and the ends of the
         matched nodes past the restore point (their windows get refreshed).
 
         A kept window becomes a copy of every windowed layer's window once prefill moves past
         it, so each windowed cache keeps its copies within its share of the byte budget, the
-        most wanted first: the pre-turn point and the split (regenerated turns and branches),
-        then the others, deepest first."""
+        most wanted first: the resume points (the prompt's end, where this session resumed),
+        the pre-turn point and the split (regenerated turns and branches), then the others,
+        deepest first."""
         windowed = [c for c in self.caches if getattr(c, "windowed", False)]
         if not windowed:
             return
         pre_turn = length - PRE_TURN - (1 if self.pair_keys else 0)
-        first = [p for p in (pre_turn, matched) if cached < p < length]
+        held = {n.end for n in self._live}  # a node already keeps the window there
+        first = [p for p in (*resume, pre_turn, matched) if 0 < p <= length and p not in held
+                 and (cached < p < length or p in resume)]  # fmt: skip
         rest = set(points) | {n.end for n in path if cached < n.end <= matched}
         order = list(dict.fromkeys([*first, *sorted(rest - set(first), reverse=True)]))
         share = self.budget_bytes // len(windowed)
@@ -232,11 +269,22 @@ class PrefixCache:
             if getattr(c, "windowed", False):
                 c.set_pins(())
 
-    def _points(self, length: int, cached: int) -> list[int]:
+    def _points(self, length: int, cached: int, resume: Sequence[int] = ()) -> list[int]:
         shift = 1 if self.pair_keys else 0
         wanted = set(range(self.snapshot_interval, length, self.snapshot_interval))
         wanted.add(length - PRE_TURN)
-        return sorted(p - shift for p in wanted if cached < p - shift < length)
+        points = {p - shift for p in wanted if cached < p - shift < length}
+        return sorted(points | {p for p in resume if cached < p < length})
+
+    def _resume_points(self, length: int, cached: int) -> list[int]:
+        """With windowed caches, the boundaries a later request may resume at besides the
+        snapshot points (module docstring), most wanted first: the prompt's end (as its last
+        key spells it: one short with pair keys; the restore point of a repeated prompt is
+        one short of its end as well) and where this session resumed."""
+        if not any(getattr(c, "windowed", False) for c in self.caches):
+            return []
+        ends = [length - (1 if self.pair_keys else 0), length - 1, cached]
+        return [p for p in dict.fromkeys(ends) if 0 < p <= length]
 
     # ------------------------------------------------------------------ close
     def _live_snapshots(self, start: int, end: int) -> list[KVSnapshot | WindowSnapshot]:
@@ -270,15 +318,38 @@ class PrefixCache:
         indexed = min(low, len(keys))
         self._live = [n for n in self._live if n.end <= indexed]
         # Node boundaries at the requested points the caches passed, then the end.
-        stops = sorted({p for p in session._points if self._live[-1].end < p <= indexed})
+        wanted = set(session.boundaries)
+        for node in self._live[1:]:
+            node.user = node.user or node.end in wanted  # e.g. where this session resumed
+        stops = sorted({p for p in wanted if self._live[-1].end < p <= indexed})
         for stop in [*stops, indexed]:
             if stop > self._live[-1].end:
                 self._live += self.trie.extend(self._live[-1], keys, stop, self._live_snapshots)
             if stop in stops:
                 self._live[-1].user = True
+        windowed = [i for i, c in enumerate(self.caches) if getattr(c, "windowed", False)]
+        for node in self._live[1:] if windowed else ():
+            if not any(node.snapshots[i].restorable for i in windowed):
+                node.user = False  # no window was kept there: compaction may fold it
         self._compact()
         self.trie.touch(self._live[-1])
         self.trie.evict(self.budget_bytes, self._live)
+        self._evict_live_windows()
+
+    def _evict_live_windows(self) -> None:
+        """Over budget with only the live path left: release the windowed copies its nodes
+        hold (a recurrent state, a copied-out window), least recently used first, then the
+        shallowest; such a node can then be resumed by offset moves only (full caches) and
+        compaction may fold it."""
+        nodes = sorted(self._live[1:], key=lambda n: (n.last_used, n.end))
+        for node in nodes:
+            if self.trie.nbytes <= self.budget_bytes:
+                return
+            windows = [s for s in node.snapshots if isinstance(s, WindowSnapshot) and s.nbytes]
+            for snap in windows:
+                snap.close()  # its on_resize hook takes the bytes off the trie's count
+            if windows:
+                node.user = False
 
     def _compact(self) -> None:
         """Fold plain (non-user) single-child nodes of the live path into their child."""

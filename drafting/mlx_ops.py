@@ -1,9 +1,19 @@
 """The MLX implementation of the round driver's seam (``drafting.rounds.RoundOps``).
 
 It drives any target with the ``runner.models`` interface (``hidden(ids, caches)``,
-``unembed(hidden)``) over attention caches, the request's draft session and its sampler, and
-keeps the sampler's penalty history in step with what the target caches hold: ``x`` enters it
-when a round feeds it, the retained drafts when the round rewinds to them.
+``unembed(hidden)``) over its caches, the request's draft session and its sampler, and keeps
+the sampler's penalty history in step with what the target caches hold: ``x`` enters it when
+a round feeds it, the retained drafts when the round rewinds to them.
+
+**Recurrent layers** (``cache.recurrent.RecurrentCache``, the Gated DeltaNet layers of a
+hybrid) cannot rewind by moving an offset: they return only to states they hold. Before every
+verify feed of ``[x, d1..dk]`` at ``entry`` each of them is asked to keep the states at
+``entry + 1 .. entry + k + 1``, which the same forward computes (``runner.models.gated_delta``'s
+``states_at``), and every feed keeps the state it started from. So reconcile's rewind to
+``entry + 1 + r`` (any acceptance, an accepted EOS, a forced ``</think>`` cut, the verify-host
+salvage at ``entry + 1``) and the restore of the entry (the feed's start) land on held states:
+no second forward, no replay on a rejection, and ``capture`` stays a position. A rewind to a
+position no cache holds is a ``TargetError`` before any cache moves.
 """
 
 from __future__ import annotations
@@ -19,8 +29,9 @@ from drafting.session import DraftSession
 
 
 class MlxRoundOps:
-    """``RoundOps`` over a target model, its KV caches, a draft session and the request's
-    sampler. Attention caches roll back by offset, so ``capture`` is a position."""
+    """``RoundOps`` over a target model, its caches, a draft session and the request's
+    sampler. Attention caches roll back by offset and recurrent ones to the states each verify
+    feed keeps (module docstring), so ``capture`` is a position."""
 
     def __init__(
         self,
@@ -32,6 +43,8 @@ class MlxRoundOps:
     ) -> None:
         self.model = model
         self.caches = caches
+        # Layers that hold only certain states: told what to keep before each verify feed.
+        self._recurrent = [c for c in caches if callable(getattr(c, "keep", None))]
         self.draft = draft
         self.sampler = sampler
         self.logprobs = logprobs  # filled from every deciding row when the request asks
@@ -60,11 +73,18 @@ class MlxRoundOps:
         return self.position
 
     def restore(self, state: int) -> None:
+        # The entry is where the verify feed started, a state every recurrent layer keeps.
         self.rewind(state)
 
     def rewind(self, position: int) -> None:
         if not 0 <= position <= self.position:
             raise TargetError(f"cannot rewind the target from {self.position} to {position}")
+        for c in self._recurrent:
+            if not c.can_rewind(position):
+                raise TargetError(
+                    f"a recurrent layer at {c.offset} holds no state at {position} (held: "
+                    f"{c.rewind_points()})"
+                )
         for c in self.caches:
             c.rewind(position)
         if self._verified is not None:
@@ -117,6 +137,8 @@ class MlxRoundOps:
             ids = mx.array([current], dtype=mx.int32)
             if proposal is not None:
                 ids = mx.concatenate([ids, proposal.tokens.astype(mx.int32)])
+            for c in self._recurrent:  # the state after every prefix of the feed
+                c.keep(range(entry + 1, entry + ids.shape[0] + 1))
             hidden = self.model.hidden(ids[None], self.caches)[0]
             logits = self.model.unembed(hidden)
             drafts = mx.zeros((0,), dtype=mx.int32)

@@ -11,7 +11,11 @@ only once it is known to stay. An EOS dispatched before it was read is rewound a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import inspect
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -25,7 +29,23 @@ CommitHook = Callable[[mx.array, mx.array, int], None]
 
 
 class Cancelled(Exception):
-    """Raised between prefill chunks when the request was cancelled."""
+    """Raised by ``prefill`` when the request was cancelled; ``args[0]`` is the offset the
+    caches were left at (the end of the last whole chunk)."""
+
+
+class _CancelledInChunk(Exception):
+    """A cancel seen between the layers of a chunk (``_LayerPoll``): the chunk is rewound."""
+
+
+# Chunks of at least this many rows are evaluated layer by layer with a cancel poll after
+# each layer, so a cancel lands within about one layer's time instead of a whole chunk's.
+# Shorter chunks are polled only ahead of each chunk (one call of ``cancelled`` per chunk).
+POLL_ROWS = 64
+# While a prefill runs MLX may keep this many bytes of freed buffers for reuse (its default
+# is small on the CPU): the blocked attention's score tiles have fixed shapes, and a buffer
+# handed back to the system comes back as fresh pages to fault in on the next tile. The old
+# limit returns when prefill ends; the engine clears the cache after every request.
+PREFILL_BUFFER_CACHE = 1 << 30
 
 
 def chunk_ends(start: int, end: int, chunk: int) -> list[int]:
@@ -34,6 +54,121 @@ def chunk_ends(start: int, end: int, chunk: int) -> list[int]:
     Chunks need not end at prefix-cache snapshot points: KV snapshots are ranges of the live
     buffers, taken when the request closes."""
     return [*range(start + chunk, end, chunk), end]
+
+
+# A long prompt's chunks shrink as its context grows, so that one layer of a forward (the work
+# between two cancel polls) holds at most this many (query row, key) pairs of attention:
+# causal attention's total is the same however the prompt is cut, only the forwards get more.
+LAYER_WORK = 512 * 2048
+SHRINK_FLOOR = 128  # rows a shrunk chunk keeps at least (linear products stay GEMM-sized)
+
+
+def prefill_ends(start: int, end: int, chunk: int) -> list[int]:
+    """Absolute offsets where the chunks of a prefill of ``[start, end)`` end: ``chunk``
+    tokens each, halved (down to ``SHRINK_FLOOR``) while ``rows * keys`` of a chunk would pass
+    ``LAYER_WORK``. A prompt that fits in one chunk stays one forward: a model whose RoPE
+    depends on how it is fed asks for exactly that (a chunk of the whole context)."""
+    if end - start <= chunk:
+        return [end]
+    floor = min(chunk, SHRINK_FLOOR)
+    ends, position = [], start
+    while position < end:
+        rows = chunk
+        while rows > floor and rows * (position + rows) > LAYER_WORK:
+            rows = max(floor, rows // 2)
+        position = min(end, position + rows)
+        ends.append(position)
+    return ends
+
+
+def takes_layer_hook(model) -> bool:
+    """Whether ``model.hidden`` accepts ``on_layer`` (``runner.models.llama.Model.hidden``):
+    such models are evaluated and polled layer by layer inside long chunks."""
+    try:
+        return "on_layer" in inspect.signature(model.hidden).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class ThreadChoice:
+    """Whether prefill layers run the BLAS on every core (``blas.wide``) or on the decode
+    count, chosen by timing, process-wide.
+
+    Every core speeds the attention products when the other cores are free; but each product
+    is a fork-join, and while another process holds a core every product waits for that
+    core's scheduler slice, which on a shared machine makes a layer several times slower than
+    on one thread. The layers of one chunk do the same work, so now and then a chunk runs one
+    layer (``PROBE_LAYER``) the other way: a probe faster than ``MARGIN`` times the chunk's
+    median layer switches the choice (and the next chunk probes again), one that is not
+    doubles the interval to the next probe, up to ``MAX_INTERVAL`` chunks. Both ways compute
+    the same bits (oneMKL's products here do not depend on the thread count; a test checks
+    it), so the choice moves speed only. Only where the runner sets MKL's thread counts."""
+
+    PROBE_LAYER = 1
+    MARGIN = 0.85
+    MAX_INTERVAL = 16
+
+    def __init__(self) -> None:
+        self.wide = True
+        self.interval = 1
+        self.countdown = 1  # chunks until the next probe
+
+    def next_probe(self, layers: int) -> int | None:
+        """The layer of the next chunk that runs the other way, or None."""
+        counts = blas.thread_counts()
+        if counts is None or counts[0] == counts[1] or layers <= self.PROBE_LAYER + 1:
+            return None
+        self.countdown -= 1
+        return self.PROBE_LAYER if self.countdown <= 0 else None
+
+    def settle(self, probe: float, others: Sequence[float]) -> None:
+        """Record a probe's seconds against the seconds of the chunk's other layers."""
+        if probe < self.MARGIN * statistics.median(others):
+            self.wide = not self.wide
+            self.interval = 1
+        else:
+            self.interval = min(2 * self.interval, self.MAX_INTERVAL)
+        self.countdown = self.interval
+
+
+THREADS = ThreadChoice()
+
+
+class _LayerPoll:
+    """``on_layer`` hook of one chunk: evaluate the layer just built (wide or not, as
+    ``THREADS`` says; ``probe`` the other way), time it, then poll."""
+
+    def __init__(self, caches: list, cancelled: Callable[[], bool], probe: int | None) -> None:
+        self.caches = caches
+        self.cancelled = cancelled
+        self.probe = probe
+        self.seconds: list[float] = []
+
+    def __call__(self, index: int, x: mx.array) -> None:
+        wide = THREADS.wide != (index == self.probe)
+        start = time.perf_counter()
+        with blas.wide() if wide else contextlib.nullcontext():
+            mx.eval(x, self.caches[index].state)
+        self.seconds.append(time.perf_counter() - start)
+        if self.cancelled():
+            raise _CancelledInChunk
+
+    def settle(self) -> None:
+        if self.probe is not None and len(self.seconds) > self.probe + 1:
+            others = self.seconds[: self.probe] + self.seconds[self.probe + 1 :]
+            THREADS.settle(self.seconds[self.probe], others)
+
+
+@contextlib.contextmanager
+def _buffer_cache(limit: int) -> Iterator[None]:
+    """MLX's buffer-cache limit raised to ``limit`` (never lowered) for the block."""
+    previous = mx.set_cache_limit(limit)
+    if previous > limit:
+        mx.set_cache_limit(previous)
+    try:
+        yield
+    finally:
+        mx.set_cache_limit(previous)
 
 
 def prefill(
@@ -46,19 +181,37 @@ def prefill(
     cancelled: Callable[[], bool] = lambda: False,
     on_commit: CommitHook | None = None,
 ) -> int:
-    """Evaluate ``tokens`` (starting at cache offset ``position``) in chunks; return the new
-    offset. Cancellation is checked before each chunk; a cancelled prefill keeps the chunks it
-    finished (the caches are evaluated after each)."""
+    """Evaluate ``tokens`` (starting at cache offset ``position``) in chunks (``prefill_ends``);
+    return the new offset. Cancellation is checked before each chunk and, in chunks of
+    ``POLL_ROWS`` rows or more of a model that takes a layer hook, after each layer. A
+    cancelled prefill raises ``Cancelled`` and keeps the chunks it finished: a chunk cancelled
+    between its layers is rewound, so every cache rests at the end of the last whole chunk,
+    and ``on_commit`` only ever sees whole chunks."""
     start = position
     if not tokens:
         return start
-    with blas.wide():
-        for end in chunk_ends(position, position + len(tokens), chunk):
+    layered = takes_layer_hook(model)
+    layers = len(caches)
+    with _buffer_cache(PREFILL_BUFFER_CACHE):
+        for end in prefill_ends(position, position + len(tokens), chunk):
             if cancelled():
                 raise Cancelled(start)
             ids = mx.array(tokens[start - position : end - position], dtype=mx.int32)
-            hidden = model.hidden(ids[None], caches)
-            mx.eval(hidden, [c.state for c in caches])
+            try:
+                if layered and end - start >= POLL_ROWS:
+                    poll = _LayerPoll(caches, cancelled, THREADS.next_probe(layers))
+                    hidden = model.hidden(ids[None], caches, on_layer=poll)
+                    mx.eval(hidden, [c.state for c in caches])
+                    poll.settle()
+                else:
+                    with blas.wide() if THREADS.wide else contextlib.nullcontext():
+                        hidden = model.hidden(ids[None], caches)
+                        mx.eval(hidden, [c.state for c in caches])
+            except _CancelledInChunk:
+                for c in caches:  # the layers evaluated so far appended this chunk
+                    if c.offset > start:
+                        c.rewind(start)
+                raise Cancelled(start) from None
             if on_commit is not None:
                 on_commit(ids, hidden[0], start)
             start = end

@@ -8,6 +8,9 @@ a ``Tuning`` record; the engine reports it and nothing else probes a model for i
 - CPU: q/k/v and gate/up fused into one product each, and every product's weight in the
   column panels of ``runner.native``'s few-row product, which reads each weight once for all
   the rows of a feed (verify rows cost about one row; prefill chunks run on every core);
+  a MoE block's routed experts in per-expert panels of its gathered product, which reads each
+  selected expert once for all the rows that chose it (packed: gate and up fused, down
+  stored ``[in, out]``, for ``gather_mm``);
   without the native build, dense weights stored transposed (``x @ Wt``: one-row products
   skip a per-call transpose in the BLAS) and an ``[out, in]`` copy of the o and down weights
   for verify rows where the BLAS runs them faster that way (``blas.row_layout_pays``; only
@@ -21,6 +24,8 @@ a ``Tuning`` record; the engine reports it and nothing else probes a model for i
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -35,6 +40,7 @@ from runner.models.llama import (
     set_kernels,
     to_panel_layout,
 )
+from runner.models.moe import lay_out_experts
 
 LAYOUTS = ("auto", "hf", "packed", "panels")
 
@@ -58,6 +64,24 @@ class Tuning:
         return ", ".join(parts)
 
 
+def release_memory() -> None:
+    """Hand the memory a request freed back to the system: MLX's buffer cache, then the C
+    heap's free pages (glibc keeps freed blocks below its adaptive mmap threshold mapped, so
+    a long prompt's transient buffers would otherwise stay in the resident set for good)."""
+    mx.clear_cache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc only
+    except (OSError, AttributeError):
+        return None
+
+
 def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
@@ -70,6 +94,7 @@ def tune(
     row_layout: bool | None = None,
     compile: bool = True,
     fast_kernels: bool | None = None,
+    expert_layout: str | None = None,
 ) -> Tuning:
     """Lay out and compile ``model`` (a ``runner.models`` model) and ``head`` (its MTP head)
     for the default device, once, right after loading; return what was applied.
@@ -78,8 +103,12 @@ def tune(
     Hugging Face layout on a GPU), "hf", "packed" or "panels" (packed, then every product
     whose width allows it in the native few-row product's panels). ``row_layout`` None:
     where the BLAS gains from it. ``fast_kernels`` None: on a GPU only (tests force either
-    path on the CPU).
+    path on the CPU). ``expert_layout`` "hf" keeps a MoE model's routed experts as loaded
+    (``scripts/bench_moe.py`` measures the layouts against each other); None: they follow
+    ``layout`` (``runner.models.moe.lay_out_experts``).
     """
+    if expert_layout not in (None, "hf"):
+        raise ValueError(f"expert_layout must be None or 'hf', not {expert_layout!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     cpu = on_cpu()
@@ -100,6 +129,9 @@ def tune(
     if layout == "panels":
         for part in parts:
             to_panel_layout(part)
+    if layout in ("packed", "panels") and expert_layout != "hf":
+        for part in parts:
+            lay_out_experts(part, layout)
     rows = False
     if head is not None and layout == "packed":
         rows = blas.row_layout_pays() if row_layout is None else row_layout

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from cache.kv import KVCache
 from cache.ledger import Ledger, Outcome
-from cache.session import CacheDesyncError, CacheSession, PrefixCache
+from cache.session import CacheDesyncError, CacheSession, PrefixCache, level_caches
 from drafting.logprobs import LogprobEntry, LogprobRows
 from drafting.speculation import Speculation, SpeculationSession
 from drafting.stats import SpecStats
@@ -324,7 +324,7 @@ class Engine:
                 self._close_session(session, outcome)
             self.active = None
             # Return freed buffers to the system so a long-lived runner stays flat in memory.
-            mx.clear_cache()
+            device.release_memory()
         t_end = time.perf_counter_ns()
         t_prefill = times.prefill_end_ns or t_end
         emit(
@@ -344,10 +344,9 @@ class Engine:
         tail = list(outcome.fed)
         if outcome.final is not None:
             tail.append(outcome.final)
-        # A discarded draft head stops short of the target; keep only what every cache holds.
-        level = min(c.offset for c in self.all_caches)
-        for c in self.all_caches:
-            c.rewind(level)
+        # A discarded draft head stops short of the target; keep only what every cache holds
+        # (recurrent layers: a position they kept, cache.session.level_caches).
+        level_caches(self.all_caches)
         session.record(tail)
         try:
             session.close()

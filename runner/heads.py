@@ -37,8 +37,21 @@ from runner.models.layers import Linear
 log = logging.getLogger("mtp_runner.heads")
 
 # Targets whose checkpoints store RMSNorm gains zero-centred (applied as 1 + w); an inline
-# head there follows the same convention.
-_ZERO_CENTRED_NORM_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# head there follows the same convention. The top-level and the text model_type both count (a
+# Qwen3.5 save is "qwen3_5" around "qwen3_5_text", a text-only save "qwen3_5_text"). A family
+# that knows its checkpoint's layout says so instead (``Model.head_norm_shift``, e.g.
+# runner.models.qwen3_5: an mlx conversion stores every gain shifted already).
+_ZERO_CENTRED_NORM_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                            "qwen3_5_moe_text")  # fmt: skip
+# The target hidden an inline head conditions on: post-final-norm, the tensor the target's own
+# output head scores. Source: vLLM's qwen3_next_mtp.py and qwen3_5_mtp.py hand the MTP model
+# the hidden states Qwen3NextModel / Qwen3_5Model.forward return, which end in
+# ``hidden_states, _ = self.norm(hidden_states, residual)``, and the head applies its own
+# pre_fc_norm_hidden on top (transformers 5.24 and mlx-lm 0.32 drop ``mtp.*`` and run no
+# head). The engine feeds the draft session post-norm hiddens (``Model.hidden``).
+INLINE_PRENORM_HIDDEN = False
+# Config keys that declare an inline MTP head: Qwen3.5's and Qwen3-Next / DeepSeek's.
+_DECLARED_MTP_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
 
 
 def load_draft_head(
@@ -59,6 +72,7 @@ def load_draft_head(
         return None, f"the checkpoint's MTP head is not usable: {exc}"
     if head is not None:
         return head, describe(head, f"inline in {loaded.path}")
+    declared = declared_mtp(loaded)
     looked = []
     for path in sidecar_candidates(loaded):
         looked.append(path)
@@ -70,7 +84,36 @@ def load_draft_head(
             log.warning("draft head %s not usable: %s", path, exc)
             return None, f"draft head {path} is not usable: {exc}"
         return head, describe(head, f"sidecar {path}")
-    return None, f"no MTP head in the checkpoint or at {', '.join(looked) or 'any sidecar path'}"
+    where = ", ".join(looked) or "any sidecar path"
+    if declared is not None:
+        key, layers = declared
+        return None, (
+            f"the checkpoint declares an MTP head ({key} {layers}) whose weights were stripped "
+            f"(no mtp.* tensors; conversions often drop them), and there is no sidecar at {where}"
+        )
+    return None, f"no MTP head in the checkpoint or at {where}"
+
+
+def declared_mtp(loaded: LoadedModel) -> tuple[str, int] | None:
+    """(config key, layers) when the checkpoint's config declares an inline MTP head."""
+    config = loaded.config
+    for cfg in (config.get("text_config"), config):
+        if not isinstance(cfg, dict):
+            continue
+        for key in _DECLARED_MTP_KEYS:
+            value = cfg.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return key, value
+    return None
+
+
+def _norm_shift(loaded: LoadedModel) -> bool:
+    """Whether an inline head's zero-centred gains need the ``1 + w`` shift (exactly once)."""
+    decided = getattr(loaded.model, "head_norm_shift", None)
+    if decided is not None:
+        return bool(decided)
+    types = {str(loaded.config.get("model_type", "")), loaded.model.args.model_type}
+    return bool(types & set(_ZERO_CENTRED_NORM_TYPES))
 
 
 def describe(head: MTPHead, source: str) -> str:
@@ -100,20 +143,23 @@ def _sidecar_dir(path: str) -> str:
     return os.path.dirname(path) if os.path.isfile(path) else path
 
 
-def load_embedded_head(loaded: LoadedModel) -> MTPHead | None:
-    """The head inside the target checkpoint, if its tensors are there."""
+def load_embedded_head(
+    loaded: LoadedModel, *, prenorm_hidden: bool = INLINE_PRENORM_HIDDEN
+) -> MTPHead | None:
+    """The head inside the target checkpoint, if its tensors are there; ``prenorm_hidden``:
+    which target hidden it conditions on (see ``INLINE_PRENORM_HIDDEN``)."""
     args = loaded.model.args
     naming = detect_naming(loaded.extra_weights, args.num_hidden_layers)
     if naming is None:
         return None
-    norm_shift = str(loaded.config.get("model_type", "")) in _ZERO_CENTRED_NORM_TYPES
     config = HeadConfig(
         hidden_size=args.hidden_size,
         rms_norm_eps=args.rms_norm_eps,
         hidden_first=HIDDEN_FIRST[naming],
+        prenorm_hidden=prenorm_hidden,
         extra={"naming": naming, "source": loaded.path},
     )
-    return _build(loaded, loaded.extra_weights, naming, config, loaded.path, norm_shift)
+    return _build(loaded, loaded.extra_weights, naming, config, loaded.path, _norm_shift(loaded))
 
 
 def load_sidecar_head(loaded: LoadedModel, directory: str) -> MTPHead:

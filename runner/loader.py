@@ -190,6 +190,9 @@ def load_model(
             sources = {text_name(k): v for k, v in sources.items()}
             if quantization is not None:
                 quantization = quantization.renamed(text_name)
+    prepare = getattr(model, "prepare_weights", None)
+    if prepare is not None:  # a family's own checkpoint conventions (runner/models/qwen3_5.py)
+        weights, sources = prepare(weights, sources)
     if model.args.tie_word_embeddings:
         # The embedding is the head (transformers ignores a stored one too), quantized or not.
         for suffix in ("weight", "scales", "biases"):

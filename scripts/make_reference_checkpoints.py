@@ -750,7 +750,12 @@ configs in both layouts (`tests/test_rope_tables.py`); regenerate it with
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", help="spec or case names (default: all)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        help="spec or case names, or hybrid (scripts/reference_hybrid.py's "
+        "cases under hybrid/); default: all",
+    )
     args = parser.parse_args(argv)
     wanted = set(args.only or [])
     OUT.mkdir(parents=True, exist_ok=True)
@@ -764,6 +769,16 @@ def main(argv=None) -> int:
     if not wanted or wanted & {q[0] for q in QUANTIZED} or "quantized" in wanted:
         print("quantized ...", file=sys.stderr, flush=True)
         make_quantized(OUT / "llama_default_old", summary)
+    if not wanted or "hybrid" in wanted:  # scripts/reference_hybrid.py: OUT / "hybrid"
+        import reference_hybrid
+
+        print("hybrid ...", file=sys.stderr, flush=True)
+        reference_hybrid.make(sys.modules[__name__], summary)
+    if not wanted or "moe" in wanted:  # scripts/reference_moe.py: OUT / "moe"
+        import reference_moe
+
+        print("moe ...", file=sys.stderr, flush=True)
+        reference_moe.make(sys.modules[__name__], summary)
     rows = []
     for directory in sorted(p for p in OUT.iterdir() if (p / "reference.json").exists()):
         meta = json.loads((directory / "reference.json").read_text())

@@ -44,6 +44,7 @@ QUESTIONS = [
     "Why is the sky blue?",
 ]
 FILLER = " ".join(f"Fact {i}: the number {i} comes after {i - 1}." for i in range(1, 400))
+LONG_CHARS = (3000, 9000)  # long prompts: ~1,000 to ~3,000 tokens
 KINDS = {  # kind: weight
     "greedy": 6, "seeded": 4, "stop": 2, "logprobs": 2, "think": 2, "long": 1, "cancel": 2,
     "fuzz": 3,
@@ -126,14 +127,16 @@ def fuzz_line(rng: random.Random) -> bytes:
     if choice == 3:
         return b'{"type":"tokenize","id":"fz","text":"\\ud8' + b"%02x" % rng.randrange(256) + b'"}'
     if choice == 4:
-        return json.dumps({"type": rng.choice(["generate", 3, None, "Completion"]), "id": "fz"}).encode()
+        kind = rng.choice(["generate", 3, None, "Completion"])
+        return json.dumps({"type": kind, "id": "fz"}).encode()
     if choice == 5:
         bad = rng.choice([{"top_p": 7}, {"temperature": -1}, {"num_predict": "x"}, {"stop": [""]}])
-        return json.dumps({"type": "completion", "id": "fz", "prompt": "x", "options": bad}).encode()
+        request = {"type": "completion", "id": "fz", "prompt": "x", "options": bad}
+        return json.dumps(request).encode()
     if choice == 6:
         return json.dumps({"type": "completion", "prompt": "x"}).encode()  # no id
     if choice == 7:
-        return b'{"type":"status","id":"fz","x":1e999}'
+        return b'{"type":"completion","id":"fz","prompt":"x","options":{"top_k":1e999}}'
     if choice == 8:
         return b" " * rng.randrange(0, 5)  # blank
     return b'{"type":"completion","id":"fz","prompt":"\xff\xfe"}'  # invalid UTF-8
@@ -237,9 +240,10 @@ class Soak:
         if budget == 0 and not text.startswith("</think>"):
             self.fail(f"think_budget 0 did not close first: {text[:40]!r}")
 
-    def _long(self) -> None:
+    def _long(self, longest: bool = False) -> None:
         start = self.rng.randrange(0, len(FILLER) // 2)
-        prompt = CHAT.format(FILLER[start : start + self.rng.randrange(3000, 9000)])
+        size = LONG_CHARS[1] if longest else self.rng.randrange(*LONG_CHARS)
+        prompt = CHAT.format(FILLER[start : start + size])
         options = {"temperature": 0, "num_predict": 4}
         self._request("long", prompt, ("long", prompt), options=options)
 
@@ -296,8 +300,13 @@ def main() -> int:
     soak = Soak(runner, random.Random(args.seed))
     started = time.monotonic()
     deadline = started + args.minutes * 60
-    warm_at = started + args.minutes * 60 / 5
     rss: list[tuple[float, int]] = [(0.0, runner.rss())]
+    # Warm-up: every kind once (the longest prompt included, so the allocator has seen the
+    # largest buffers), then the first fifth of the run; RSS growth is measured from there.
+    for kind in KINDS:
+        soak.counts[kind] += 1
+        getattr(soak, f"_{kind}")(*([True] if kind == "long" else []))
+    warm_at = max(time.monotonic(), started + args.minutes * 60 / 5)
     warm_rss = None
     last_sample = started
     while time.monotonic() < deadline:

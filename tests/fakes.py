@@ -9,6 +9,11 @@ built from a target hidden. Draws go through the request's sampler keyed by slot
 through ``drafting.accept.matched_decision`` on MLX arrays, exactly as the real seam does.
 Every operation is logged in order; any operation can be armed to fail on its n-th
 call with one of the seam's error classes.
+
+``recurrent=True`` adds a recurrent layer (a real ``cache.recurrent.RecurrentCache`` whose
+state is a digest of the prefix it has seen): it keeps the states a verify feed asks for, as
+``drafting.mlx_ops`` does, and rewinds or restores only to states it holds, so a driver that
+rolled back anywhere else fails with a ``TargetError``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from cache.recurrent import RecurrentCache
 from drafting.accept import matched_decision
 from drafting.depth import FixedDepth
 from drafting.rounds import HeadError, HostError, Replay, RoundDriver, TargetError, Verification
@@ -43,6 +49,11 @@ def _digest(tokens: Seq) -> int:
 def target_hidden(prefix: Seq) -> tuple:
     """The target's hidden after ``prefix`` (a pure function of it)."""
     return ("target", len(prefix), _digest(prefix))
+
+
+def recurrent_state(prefix: Seq) -> tuple[mx.array, mx.array]:
+    """The fake recurrent layer's (conv, state) after ``prefix`` (a pure function of it)."""
+    return mx.array([len(prefix)]), mx.array([_digest(prefix)])
 
 
 def head_hidden(pairs: int, seq: Seq) -> tuple:
@@ -141,6 +152,7 @@ class FakeOps:
         draft: TokenFn | None = None,
         target_probs: ProbsFn | None = None,
         draft_probs: ProbsFn | None = None,
+        recurrent: bool = False,
     ) -> None:
         self.prompt = list(prompt)
         self.vocab = vocab
@@ -160,6 +172,10 @@ class FakeOps:
         self.poisoned = False  # a failed forward left half-written caches; only restore heals
         self._faults: dict[str, tuple[int, str]] = {}
         self.calls: Counter[str] = Counter()
+        self.recurrent: RecurrentCache | None = None
+        if recurrent:  # the prompt's prefill
+            self.recurrent = RecurrentCache()
+            self._recur([], self.prompt)
 
     # -- test controls ---------------------------------------------------------------------------
 
@@ -209,11 +225,27 @@ class FakeOps:
     def _feed(self, tokens: Seq) -> FakeRows:
         if self.poisoned:
             raise AssertionError("fed caches that a failed forward left half-written")
-        rows = []
+        rows, before = [], list(self.fed)
         for t in tokens:
             self.fed.append(int(t))
             rows.append(target_hidden(self.fed))
+        if self.recurrent is not None:
+            self._recur(before, list(tokens))
         return FakeRows(rows)
+
+    def _recur(self, before: list[int], tokens: list[int]) -> None:
+        """Advance the recurrent layer over ``tokens``, handing back the states it wants."""
+        cache = self.recurrent
+        assert cache.offset == len(before), (cache.offset, len(before))
+        states = {r: recurrent_state(before + tokens[:r]) for r in cache.wanted(len(tokens))}
+        cache.update(*recurrent_state(before + tokens), len(tokens), states)
+
+    def _recur_rewind(self, position: int) -> None:
+        if self.recurrent is not None:
+            try:
+                self.recurrent.rewind(position)
+            except ValueError as exc:
+                raise TargetError(f"fake recurrent layer: {exc}") from exc
 
     # -- the seam ----------------------------------------------------------------------------------
 
@@ -241,6 +273,7 @@ class FakeOps:
         self.log.append(("restore",))
         if self._fault("restore"):
             raise TargetError("fake restore fault")
+        self._recur_rewind(len(state))
         self.fed = list(state)
         self.poisoned = False
 
@@ -250,6 +283,7 @@ class FakeOps:
             raise TargetError("fake rewind fault")
         if not len(self.prompt) <= position <= len(self.fed):
             raise TargetError(f"rewind to {position} out of range")
+        self._recur_rewind(position)
         del self.fed[position:]
 
     def head_step(self, current: int, k: int) -> FakeProposal:
@@ -277,6 +311,9 @@ class FakeOps:
         self.log.append(("verify", tokens))
         kind = self._fault("verify_feed")
         eval_failed = proposal is not None and self._fault("draft_eval") is not None
+        if self.recurrent is not None:  # as drafting.mlx_ops: every prefix of the feed
+            entry = self.position
+            self.recurrent.keep(range(entry + 1, entry + len(tokens) + 1))
         if kind in ("target", "head"):
             self._feed(tokens[:1])
             self.poisoned = True
@@ -423,6 +460,11 @@ def check_state(ops: FakeOps, driver: RoundDriver) -> None:
         assert ops.pairs == expected_pairs(ops.fed)
         assert ops.frontier == target_hidden(ops.fed)
     assert not ops.poisoned
+    if ops.recurrent is not None:  # the recurrent layer holds the state of exactly that prefix
+        conv, state = recurrent_state(ops.fed)
+        assert ops.recurrent.offset == len(ops.fed)
+        assert ops.recurrent.conv.item() == conv.item()
+        assert ops.recurrent.recurrent.item() == state.item()
 
 
 def tiny_tokenizer():

@@ -190,3 +190,27 @@ def test_a_feed_dependent_rope_runs_whole_prompts_without_cache_or_speculation()
     first = complete(engine, tokens=list(range(3, 40)), num_predict=6, **GREEDY)
     again = complete(engine, tokens=list(range(3, 40)), num_predict=6, **GREEDY)
     assert first[0] == again[0] and again[2].prompt_cached_tokens == 0
+
+
+def test_release_memory_gives_freed_buffers_back_to_the_system():
+    """MLX's cache cleared is not enough: freed heap blocks between live ones stay resident
+    until the heap is trimmed (the pattern a long prompt's transient buffers leave)."""
+    import mlx.core as mx
+
+    from runner import device
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+    transient, live = [], []
+    for i in range(2000):
+        transient.append(mx.full((16 << 10,), float(i)))  # 64 KiB each, below mmap's threshold
+        live.append(mx.full((16,), float(i)))
+        mx.eval(transient[-1], live[-1])
+    del transient
+    mx.clear_cache()
+    cleared = rss()
+    device.release_memory()
+    assert cleared - rss() > 64 << 20
+    del live

@@ -5,6 +5,7 @@ Parameter names follow Hugging Face checkpoints so safetensors load without rena
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cache.kv import KVCache, RotatingKVCache
+from runner.models.attention import blocked_attention
+from runner.models.attention import serves as serves_blocked
 from runner.models.config import read_llama_family, text_config
 from runner.models.layers import (
     Linear,
@@ -32,6 +35,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 # None (one row, or no mask), "causal", or an additive / boolean array.
 Mask = mx.array | str | None
+# Called after each layer of a forward with (layer index, its lazy output): Model.hidden.
+LayerHook = Callable[[int, mx.array], None]
 
 
 @dataclass
@@ -162,7 +167,11 @@ class Attention(nn.Module):
         """Grouped-query attention in five ops, the composed kernel: on the CPU
         ``mx.fast.scaled_dot_product_attention`` falls back to a longer composition that also
         builds its causal mask in every layer. ``mask``: None, "causal" or an additive ``[L, T]``
-        array shared by all layers of a forward."""
+        array shared by all layers of a forward. Feeds of many rows (prefill chunks) take
+        ``runner.models.attention.blocked_attention`` instead: the same softmax over query
+        blocks and key tiles, skipping the keys a causal block cannot see."""
+        if serves_blocked(q.shape[2], q.dtype, mask):
+            return blocked_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
         batch, heads, length, dim = q.shape
         groups, keys = self.n_kv_heads, k.shape[2]
         per_group = heads // groups
@@ -407,11 +416,15 @@ class Model(nn.Module):
         caches: list[KVCache],
         mask: Mask = None,
         prenorm: bool = False,
+        on_layer: LayerHook | None = None,
     ) -> mx.array:
         """Run the decoder stack over ``tokens`` (``[B, L]``); return ``[B, L, D]`` hiddens.
 
         ``mask`` defaults to causal over the cached prefix; pass an additive or boolean array
         for left-padded batches. ``prenorm`` returns the hidden before the final norm.
+        ``on_layer(i, x)`` is called with each layer's (lazy) output as soon as its graph is
+        built, layer ``i``'s cache already appended: prefill evaluates and polls for a cancel
+        there. An exception it raises leaves layers ``0..i`` appended and the rest untouched.
         """
         x = self.embed(tokens)
         offset, length = caches[0].offset, tokens.shape[1]
@@ -420,13 +433,15 @@ class Model(nn.Module):
         fast = attn0.fast and attn0.softcap is None
         full = mask
         if mask is None and length > 1:
-            # The fused kernel takes "causal" (lower-right aligned); the composed one adds a
-            # mask built once for every layer.
-            full = "causal" if fast else causal_mask(offset, length, x.dtype)
+            # The fused kernel takes "causal" (lower-right aligned), and so does the blocked
+            # kernel of long feeds (it masks only the key tiles crossing the diagonal); the
+            # five-op one adds a mask built once for every layer.
+            blocked = serves_blocked(length, x.dtype, "causal")
+            full = "causal" if fast or blocked else causal_mask(offset, length, x.dtype)
         # One mask per window and one RoPE table per group, shared by the layers using them.
         masks: dict[tuple[int, int], Mask] = {}
         tables: dict[str, RopeTables] = {}
-        for layer, cache in zip(self.model.layers, caches, strict=True):
+        for index, (layer, cache) in enumerate(zip(self.model.layers, caches, strict=True)):
             layer_mask = full
             if layer.window is not None:
                 if mask is not None:
@@ -442,6 +457,8 @@ class Model(nn.Module):
                     offset, length, x.dtype
                 )
             x = layer(x, layer_mask, cache, rope)
+            if on_layer is not None:
+                on_layer(index, x)
         return x if prenorm else self.model.norm(x)
 
     def unembed(self, hidden: mx.array) -> mx.array:

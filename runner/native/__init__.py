@@ -13,6 +13,12 @@ Row ``i`` of an ``M``-row product is bit-for-bit the one-row product of that row
 ``M`` and thread count (one FMA chain per output element, in ``k`` order, whatever ``M``):
 verify rows match plain decoding.
 
+The routed experts of a mixture-of-experts block use the same panels per expert, stacked
+(:func:`expert_panels`): ``gather_panel_matmul`` multiplies each row by the experts its router
+picked, grouping the (row, expert) pairs by expert so each selected expert's panels are read
+once for all the rows that chose it; each pair is the one-row product above, so it too is the
+same whatever rows share the feed.
+
 Build the extension with ``python -m runner.native.build``. Importing this module never fails:
 without a usable build, :func:`available` is False, :func:`reason` says why, and
 :func:`panel_matmul` computes every ``M`` with MLX ops (slowly: it rebuilds [K, N] each call).
@@ -163,3 +169,64 @@ def mlx_panel_matmul(x: mx.array, panels: mx.array, n: int, *, method: str = "re
     else:
         raise ValueError(f"mlx_panel_matmul: unknown method {method!r}")
     return y.reshape(*lead, n) if len(lead) != 1 else y
+
+
+def gathered_available() -> bool:
+    """Whether the compiled module has the routed-experts product (a build from before it was
+    added has only :func:`panel_matmul`)."""
+    return _ext is not None and hasattr(_ext, "gather_panel_matmul")
+
+
+def expert_panels(w: mx.array) -> mx.array:
+    """The stacked panel layout ``[E, ceil(N / PANEL), K, PANEL]`` (float32, contiguous, N
+    padded with zero columns) of experts stacked as ``[E, N, K]`` (out, in: the Hugging Face
+    and mlx-lm orientation); expert e's block is ``to_panels(w[e].T)``. Lazy: evaluate it
+    once at load, drop w."""
+    if w.ndim != 3:
+        raise ValueError(f"expert_panels takes [E, N, K] experts, got shape {tuple(w.shape)}")
+    e, n, k = w.shape
+    nb = -(-n // PANEL)
+    w = w.astype(mx.float32) if w.dtype != mx.float32 else w
+    if nb * PANEL != n:
+        w = mx.pad(w, [(0, 0), (0, nb * PANEL - n), (0, 0)])
+    return mx.contiguous(w.reshape(e, nb, PANEL, k).transpose(0, 1, 3, 2))
+
+
+def gather_panel_matmul(
+    x: mx.array, panels: mx.array, indices: mx.array, n: int, *, threads: int | None = None
+) -> mx.array:
+    """``y[t, j] = x[t, j or 0] @ W[indices[t, j]]`` (``[T, k, n]``) for experts given as
+    ``panels = expert_panels(W)``: ``x`` ``[T, 1, K]`` (every expert of row t reads row t: gate
+    and up) or ``[T, k, K]`` (pair (t, j) reads its own row: down), ``indices`` ``[T, k]``
+    int32 or uint32 (an index outside the experts gives a zero row).
+
+    The primitive groups the pairs by expert and reads each selected expert's panels once for
+    all its rows; ``threads`` (experts split over threads) defaults as for
+    :func:`panel_matmul`, by the rows T. Without the compiled primitive, or for another dtype,
+    it falls back to :func:`mlx_gather_panel_matmul`."""
+    if (
+        x.ndim != 3 or panels.ndim != 4 or indices.ndim != 2 or x.shape[0] != indices.shape[0]
+        or x.shape[1] not in (1, indices.shape[1]) or x.shape[2] != panels.shape[2]
+    ):  # fmt: skip
+        raise ValueError(
+            f"gather_panel_matmul: x {tuple(x.shape)}, panels {tuple(panels.shape)} and "
+            f"indices {tuple(indices.shape)} do not match"
+        )
+    if not gathered_available() or x.dtype != mx.float32:
+        return mlx_gather_panel_matmul(x, panels, indices, n)
+    if threads is None:
+        threads = 1 if x.shape[0] <= SMALL_ROWS else LARGE_M_THREADS
+    return _ext.gather_panel_matmul(x, panels, indices, n, threads)
+
+
+def mlx_gather_panel_matmul(x: mx.array, panels: mx.array, indices: mx.array, n: int) -> mx.array:
+    """:func:`gather_panel_matmul` with MLX ops only: rebuild the experts' ``[E, K, N]`` from
+    the panels (one transpose copy of every expert) and run ``mx.gather_mm``. Correct, slow:
+    for builds without the primitive and the tests."""
+    e, nb, k, width = panels.shape
+    w = mx.contiguous(panels.transpose(0, 2, 1, 3)).reshape(e, k, nb * width)[..., :n]
+    index = indices.astype(mx.uint32)
+    valid = index < e
+    rows = x.astype(panels.dtype)[:, :, None, :]  # [T, 1 or k, 1, K]: broadcasts over k
+    y = mx.gather_mm(rows, w, rhs_indices=mx.where(valid, index, 0)).squeeze(-2)
+    return mx.where(valid[..., None], y, 0.0)

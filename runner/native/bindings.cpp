@@ -1,5 +1,5 @@
-// nanobind module _smallrow: the PanelMatmul op for Python (NB_DOMAIN mlx, so mlx.core's
-// array and stream types pass straight through).
+// nanobind module _smallrow: the PanelMatmul and GatherPanelMatmul ops for Python (NB_DOMAIN
+// mlx, so mlx.core's array and stream types pass straight through).
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "gathered.h"
 #include "mlx/version.h"
 #include "smallrow.h"
 
@@ -28,6 +29,19 @@ NB_MODULE(_smallrow, m) {
       "stream"_a = nb::none(),
       "y[..., n] = x[..., K] @ W[K, n] with W as float32 panels [NB, K, PANEL]; threads splits "
       "the panels over that many threads (1: the stream's own thread).");
+  m.def(
+      "gather_panel_matmul",
+      &mtp_native::gather_panel_matmul,
+      "x"_a,
+      "panels"_a,
+      "indices"_a,
+      "n"_a,
+      "threads"_a = 1,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "y[t, j, :n] = x[t, j or 0] @ W[indices[t, j]] with the experts' W as float32 panels "
+      "[E, NB, K, PANEL]; each selected expert's panels are read once for all its rows; threads "
+      "splits the experts over that many threads.");
   m.def("isa", &mtp_native::isa, "The kernel path compiled in: avx512, avx2 or portable.");
   m.attr("PANEL") = smallrow::kPanel;
   m.attr("MAX_BLOCK") = smallrow::kMaxBlock;

@@ -1,4 +1,5 @@
-"""Build the PanelMatmul extension in place: ``python -m runner.native.build``.
+"""Build the native extension (PanelMatmul, GatherPanelMatmul) in place: ``python -m
+runner.native.build``.
 
 CMake + nanobind, against the mlx installed in this Python; the module lands next to this file
 (``runner/native/_smallrow*.so``), the build tree in ``runner/native/build/``. Compiled with
@@ -128,6 +129,12 @@ def _check() -> str:
         "y = native.panel_matmul(x, native.to_panels(w), 70)\n"
         "ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)\n"
         "assert np.abs(np.asarray(y) - ref).max() < 1e-3\n"
+        "assert native.gathered_available()\n"
+        "e = mx.random.normal((4, 70, 33)); i = mx.array([[3, 1], [0, 3]])\n"
+        "g = native.gather_panel_matmul(x[:2, None], native.expert_panels(e), i, 70)\n"
+        "w = np.asarray(e, np.float64)[np.asarray(i)]\n"
+        "ref = np.einsum('tk,tjnk->tjn', np.asarray(x[:2], np.float64), w)\n"
+        "assert np.abs(np.asarray(g) - ref).max() < 1e-3\n"
         "print(native.isa())\n"
     )
     env = dict(os.environ)

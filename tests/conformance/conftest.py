@@ -1,9 +1,10 @@
 """Fixtures for the conformance suite: runner processes driven through their pipes.
 
 The runner under test is MTP_RUNNER_CMD (a shell-style command line) when set, else this
-repository's runner on a small random checkpoint (or on the no-op model when
-MTP_RUNNER_CONFORMANCE_NOOP=1). Tests that need this runner's hidden hooks or its CLI skip
-for an external command.
+repository's runner on a small random checkpoint, on the checkpoint named by
+MTP_RUNNER_CONFORMANCE_MODEL (a directory or GGUF file, e.g. a hybrid fixture under
+tests/fixtures/reference/hybrid/), or on the no-op model when MTP_RUNNER_CONFORMANCE_NOOP=1.
+Tests that need this runner's hidden hooks or its CLI skip for an external command.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest_asyncio
 from tests.conformance.harness import RunnerProcess, external_command, own_command
 
 NOOP = os.environ.get("MTP_RUNNER_CONFORMANCE_NOOP") == "1"
+MODEL = os.environ.get("MTP_RUNNER_CONFORMANCE_MODEL") or None
 # Own runner only: fail the request with this id after its first token (internal error path).
 FAULT_ID = "conformance-fault"
 
@@ -25,6 +27,10 @@ def conformance_model(request) -> str | None:
     """The checkpoint our runner serves in these tests (None: the no-op model)."""
     if NOOP or external_command():
         return None
+    if MODEL is not None:
+        if not os.path.exists(MODEL):
+            pytest.fail(f"MTP_RUNNER_CONFORMANCE_MODEL={MODEL}: no such checkpoint")
+        return os.path.abspath(MODEL)
     # Longer context than the default tiny model so a greedy completion can run for seconds.
     return request.getfixturevalue("checkpoint_factory")("llama", max_position_embeddings=4096)
 

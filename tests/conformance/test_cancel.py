@@ -53,6 +53,8 @@ async def test_cancel_mid_decode_is_prompt_and_leaves_the_runner_correct(spawn):
 async def test_cancel_during_prefill_then_the_prompt_still_completes_correctly(spawn):
     long_prompt = " ".join(f"step {i}: the robot paints the sky" for i in range(80))
     runner = await spawn("--prefill-chunk", "32")
+    if runner.ready["context_length"] < 4096:  # the prompt is ~1-2k tokens, decoding goes on
+        pytest.skip(f"needs a long context; this checkpoint's is {runner.ready['context_length']}")
     rid = unique_id("prefill")
     await runner.send(greedy(rid, long_prompt, 100000))
     await runner.send({"type": "cancel", "id": rid})

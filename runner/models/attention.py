@@ -1,0 +1,203 @@
+"""Blocked attention for long feeds on the CPU: prefill chunks at the compute rate.
+
+The composed five-op attention of ``runner.models.llama.Attention`` materialises the whole
+``[heads, L, T]`` score matrix and runs MLX's softmax over it. On the CPU that softmax is the
+cost of a long prefill: MLX's ``exp`` is a scalar loop with a library call per step, and a
+score matrix larger than MLX's buffer cache comes back as fresh pages on every pass. This
+kernel computes the same softmax(q k^T) v with four changes:
+
+- **Query blocks by key tiles of fixed shapes.** Queries go in blocks of ``BLOCK_ROWS`` rows
+  (all heads of a KV group together, as in the grouped product), keys in tiles of
+  ``KEY_TILE`` positions, the last one ending on a ``GRAIN`` boundary: score tiles take a
+  few shapes only, so MLX reuses their buffers (and the compiled kernels' traces) from tile
+  to tile, block to block and layer to layer, and a tile stays in the last-level cache across
+  the passes over it. Keys and values are zero-padded to the grain once per call; padded keys
+  are always masked.
+- **Causal skipping.** With ``mask="causal"`` a block visits only the tiles up to its last
+  row's position; only the (at most two) tiles that cross its diagonal get a mask, a slice of
+  one constant. An array mask (sliding windows, a caller's mask) is added tile by tile, with
+  no skipping.
+- **Scores laid out keys by rows.** ``k_tile @ q_block^T``: the per-row maximum and the
+  softmax denominator become column reductions, which MLX runs several times faster than row
+  reductions, and the value product runs as ``v_tile^T @ weights`` (dims by rows).
+- **A vectorisable exp2.** Scores are in log2 units (``log2(e)`` folded into the query
+  scale) and exponentiated as ``2**r * p(f)`` (``r`` the nearest integer, ``p`` a degree-6
+  polynomial on ``[-0.5, 0.5]``, the Cephes coefficients MLX's own ``exp`` uses), in two
+  ``mx.compile``d elementwise kernels the JIT vectorises: one builds ``2**r`` from exponent
+  bits (a bitcast, which MLX cannot fuse, splits the two), one evaluates ``p(f)`` and scales.
+  The row maximum is exact (a first pass over the block's tiles), so the weights are the
+  softmax's to float32 rounding, as accurate as ``mx.softmax(precise=True)`` against a
+  float64 reference (tests/test_prefill.py).
+
+The trade-off: a few MLX ops per tile instead of five per call, which pays only for feeds of
+many rows; decode steps and verify rows keep the five-op composition (``serves``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import mlx.core as mx
+
+LOG2E = math.log2(math.e)
+BLOCK_ROWS = 128  # query rows per block, per head
+KEY_TILE = 512  # key positions per score tile
+GRAIN = 128  # a block's last tile ends at its last row rounded up to this (tile widths)
+# Feeds of more rows than this take the blocked kernel (decode and verify rows never do: the
+# compiled blocks serve up to 16 rows, and 2-9 row verifies keep the five-op composition).
+MIN_ROWS = 32
+
+_ROUND = 12582912.0  # 1.5 * 2**23: (x + _ROUND) - _ROUND rounds a float32 to an integer
+# 2**f on [-0.5, 0.5] (Cephes; MLX's simd::exp uses the same polynomial after x * log2 e).
+_P = (
+    1.0,
+    6.931472028550421e-1,
+    2.402264791363012e-1,
+    5.550332471162809e-2,
+    9.618437357674640e-3,
+    1.339887440266574e-3,
+    1.535336188319500e-4,
+)
+# A masked score, in log2 units: finite (so no inf - inf) and far enough below any real score
+# that its exponent clamps to 2**-127 = 0, yet inside int32 for the exponent's conversion.
+MASKED = -(2.0**30)
+
+
+def serves(rows: int, dtype: mx.Dtype, mask: mx.array | str | None) -> bool:
+    """Whether ``blocked_attention`` serves a feed of ``rows`` query rows: float32 on the CPU,
+    at least ``MIN_ROWS`` rows, and a mask it takes (None, "causal" or a 2-D array)."""
+    if rows < MIN_ROWS or dtype != mx.float32 or mx.default_device() != mx.cpu:
+        return False
+    return mask is None or isinstance(mask, str) or mask.ndim == 2
+
+
+def _exponent_bits(d: mx.array) -> mx.array:
+    """The float32 bits of ``2**round(d)`` for ``d <= 0`` (int32): 0 (the float 0.0) from
+    -127 down, the integer clamp keeping the loop free of the float ``maximum``'s branch."""
+    r = (d + _ROUND) - _ROUND
+    return mx.left_shift(mx.maximum(r.astype(mx.int32) + 127, 0), 23)
+
+
+def _scaled_polynomial(d: mx.array, scale: mx.array) -> mx.array:
+    """``p(d - round(d)) * scale``, Estrin's scheme (the JIT fuses ops up to a depth of 11)."""
+    f = d - ((d + _ROUND) - _ROUND)
+    f2 = f * f
+    low = (_P[1] * f + _P[0]) + f2 * (_P[3] * f + _P[2])
+    high = (_P[5] * f + _P[4]) + f2 * _P[6]
+    return (low + (f2 * f2) * high) * scale
+
+
+# Traced per input shape; the fixed tiles give a handful of shapes (the grain's widths times
+# a full and a partial block), so the trace cache stays small. Shapeless tracing keeps
+# explicit broadcasts that split the fused loops into more passes.
+_bits_kernel = mx.compile(_exponent_bits)
+_poly_kernel = mx.compile(_scaled_polynomial)
+
+
+def exp2_nonpositive(d: mx.array) -> mx.array:
+    """``2**d`` for float32 ``MASKED <= d <= 0`` (0 below -127), relative error ~2e-7."""
+    return _poly_kernel(d, _bits_kernel(d).view(mx.float32))
+
+
+@functools.lru_cache(maxsize=4)
+def _visibility(key_tile: int, block_rows: int, grain: int, dtype: mx.Dtype) -> mx.array:
+    """Additive ``[2 * key_tile + block_rows + grain, block_rows]`` mask, 0 where
+    ``i <= r + key_tile``: every tile mask of the kernel is a slice of it (``_diagonal_mask``),
+    so one constant serves every layer, forward and request (no memory that comes and goes)."""
+    rows = mx.arange(2 * key_tile + block_rows + grain)[:, None]
+    visible = rows <= mx.arange(block_rows)[None, :] + key_tile
+    return mx.where(visible, mx.array(0.0, dtype), mx.array(MASKED, dtype))
+
+
+def _diagonal_mask(keys: int, rows: int, delta: int, dtype: mx.Dtype) -> mx.array:
+    """Additive ``[keys, rows]`` mask (scores are laid out keys by rows): row ``i`` sees key
+    ``c`` when ``c <= i + delta`` (the tile's first key sits ``delta`` positions before the
+    block's first row; ``-block_rows - grain < delta < key_tile``)."""
+    base = _visibility(KEY_TILE, BLOCK_ROWS, GRAIN, dtype)
+    shift = KEY_TILE - delta
+    return base[shift : shift + keys, :rows]
+
+
+def _padded(x: mx.array, length: int) -> mx.array:
+    """``x`` ``[B, G, T, D]`` zero-padded to ``length`` positions."""
+    batch, groups, keys, dim = x.shape
+    if length == keys:
+        return x
+    return mx.concatenate([x, mx.zeros((batch, groups, length - keys, dim), x.dtype)], axis=2)
+
+
+def blocked_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | str | None,
+    softcap: float | None = None,
+) -> mx.array:
+    """softmax(scale * q k^T + mask) v for ``q`` ``[B, heads, L, D]`` and ``k``, ``v``
+    ``[B, kv_heads, T, D]`` (grouped-query: heads a multiple of kv_heads), as
+    ``Attention._attend`` computes it. ``mask``: None (every key), "causal" (row i at position
+    ``T - L + i`` sees keys up to it) or an additive or boolean ``[L, T]`` array;
+    ``softcap``: tanh soft-capping of the scores (Gemma 2) ahead of the mask."""
+    batch, heads, length, dim = q.shape
+    groups, keys = k.shape[1], k.shape[2]
+    per_group = heads // groups
+    causal = isinstance(mask, str)
+    offset = keys - length  # position of the first query row
+    padded = -(-keys // GRAIN) * GRAIN
+    k, v = _padded(k, padded), _padded(v, padded)
+    q = q * (scale * LOG2E if softcap is None else scale)  # log2 units: 2**s for e**s
+    q = q.reshape(batch, groups, per_group, length, dim)
+    extra = None  # a caller's mask in log2 units over the padded keys, or the padding's
+    if mask is not None and not causal:
+        if mask.dtype == mx.bool_:
+            extra = mx.where(mask, mx.array(0.0, q.dtype), mx.array(MASKED, q.dtype))
+        else:
+            extra = mx.maximum(mask.astype(q.dtype) * LOG2E, MASKED)
+        if padded > keys:
+            filler = mx.full((length, padded - keys), MASKED, dtype=q.dtype)
+            extra = mx.concatenate([extra, filler], axis=1)
+        extra = extra.T  # keys by rows, as the score tiles
+    blocks = []
+    for start in range(0, length, BLOCK_ROWS):
+        rows = min(BLOCK_ROWS, length - start)
+        qb = q[:, :, :, start : start + rows].reshape(batch, groups, per_group * rows, dim)
+        qt = qb.transpose(0, 1, 3, 2)
+        first = offset + start  # position of the block's first row
+        # Keys up to the block's last row (causal) or all of them, scores keys by rows.
+        end = -(-(first + rows) // GRAIN) * GRAIN if causal else padded
+        scores, top = [], None
+        for lo in range(0, end, KEY_TILE):
+            width = min(KEY_TILE, end - lo)
+            s = k[:, :, lo : lo + width] @ qt
+            if softcap is not None:
+                s = mx.tanh(s / softcap) * (softcap * LOG2E)
+            tile_mask = None
+            if causal:
+                if lo + width - 1 > first:  # some key lies past the first row
+                    tile_mask = _diagonal_mask(width, rows, first - lo, q.dtype)
+            elif extra is not None:
+                tile_mask = extra[lo : lo + width, start : start + rows]
+            elif lo + width > keys:  # no mask: only the padding is hidden
+                tile_mask = _diagonal_mask(width, 1, keys - 1 - lo, q.dtype)
+            if tile_mask is not None:
+                shape = (batch, groups, width, per_group, rows)
+                s = (s.reshape(shape) + tile_mask[:, None]).reshape(batch, groups, width, -1)
+            scores.append((lo, width, s))
+            tile_max = mx.max(s, axis=-2, keepdims=True)
+            top = tile_max if top is None else mx.maximum(top, tile_max)
+        # The exact row maximum over every tile, then the weights, their products with the
+        # values and their sums (the denominator) tile by tile.
+        acc = den = None  # acc: the weighted values, dims by rows
+        for lo, width, s in scores:
+            e = exp2_nonpositive(s - top)
+            part = mx.sum(e, axis=-2, keepdims=True)
+            tile_v = v[:, :, lo : lo + width].transpose(0, 1, 3, 2)
+            acc = tile_v @ e if acc is None else mx.addmm(acc, tile_v, e)
+            den = part if den is None else den + part
+        out = (acc / den).transpose(0, 1, 3, 2)
+        blocks.append(out.reshape(batch, groups, per_group, rows, dim))
+    out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=3)
+    return out.reshape(batch, heads, length, dim)

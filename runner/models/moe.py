@@ -1,0 +1,563 @@
+"""The sparse mixture-of-experts MLP shared by the MoE families (``qwen3_moe``, ``glm4_moe``;
+built to be reused by the Qwen3-Next / Qwen3.5-MoE hybrids).
+
+**Routing** (transformers 5.24's ``Qwen3MoeTopKRouter`` and ``Glm4MoeTopkRouter``):
+
+- ``softmax`` (Qwen): router logits in the model's dtype, softmax in float32 over all
+  experts, the top-k probabilities, divided by their sum when ``norm_topk_prob``, cast back to
+  the logits' dtype;
+- ``sigmoid`` (GLM, DeepSeek-V3's ``noaux_tc``): logits in float32 (a target's router weight
+  and ``e_score_correction_bias`` stay float32 whatever the model's dtype, as transformers
+  keeps them; an MTP head's take the model's dtype, as the head loader casts every float),
+  scores ``sigmoid(logits)``; the bias is added for the *choice* only: with ``n_group``
+  > 1 each group of ``E / n_group`` experts is rated by the sum of its two best biased scores
+  and only the ``topk_group`` best groups stay candidates (the others -inf), then the top-k
+  biased scores pick the experts; their weights are the *unbiased* scores, divided by
+  ``sum + 1e-20`` when ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+**Experts** are stacked per projection as ``[E, out, in]`` (``switch_mlp.{gate,up,down}_proj``,
+mlx-lm's names) and only the selected experts are computed, never the other experts' weights
+and never a Python loop over experts. As loaded, one ``mx.gather_mm`` per projection reads the
+k selected matrices of each row (experts kept quantized, mlx-lm's affine triples, use
+``mx.gather_qmm`` the same way); on the CPU that is one BLAS product per (row, expert) pair, so
+a verify row that shares an expert with another reads it again, and the down projection's
+``[D, I]`` matrices, rows only ``I`` long, run well below the memory's rate. Device tuning
+(:func:`lay_out_experts`, from ``runner.device.tune``) therefore re-lays them once:
+
+- ``panels`` (the CPU default with ``runner.native``): every expert in the column panels of the
+  native few-row product, gate and up fused, multiplied by its gathered product, which groups
+  the (row, expert) pairs by expert and reads each selected expert once for all the rows that
+  chose it (a verify feed pays for the union of its rows' experts, not for every pair), each
+  pair bit for bit its one-row product (verify rows match plain decoding);
+- ``packed`` (no native build): gate and up fused into one stacked product, down stored
+  ``[E, I, D]`` so the BLAS reads it along rows of length D.
+
+With ``gather_mm`` (as loaded, packed, or on a GPU) feeds of many (row, expert) pairs
+(prefill chunks) are sorted by expert first, so each expert's rows are adjacent and MLX's
+sorted gathered product (``sorted_indices``) can run them as one product per expert; below
+``SORT_MIN_PAIRS`` (decode steps, short verify feeds) the sort is skipped: two argsorts and a
+row gather per layer, for products of a handful of rows each. The panel product needs no sort.
+
+**Shared expert**: ``plain`` (GLM ``shared_experts``, added) or ``gated`` (Qwen3-Next
+``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))``); qwen3_moe has none.
+
+**Checkpoint layouts** (:func:`stack_experts`, run by the family's ``prepare_weights``): per
+expert (``mlp.experts.{i}.{gate,up,down}_proj.weight``, what transformers 5.24 writes), stacked
+and fused as transformers 5 holds them in memory and Qwen3.6 ships them (``mlp.experts.
+gate_up_proj`` ``[E, 2I, D]``, gate rows first, and ``mlp.experts.down_proj`` ``[E, D, I]``),
+or mlx-lm's ``mlp.switch_mlp.*`` (plain or quantized): all end as ``switch_mlp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import runner.models.config as cfgs
+from protocol.errors import CorruptModelFile, MissingTensor, UnsupportedArchitecture
+from runner import native
+from runner.models.llama import MLP, DecoderLayer, Linear, LlamaModel, ModelArgs
+from runner.models.llama import Model as LlamaCausalLM
+
+SCORINGS = ("softmax", "sigmoid")
+SHARED = (None, "plain", "gated")
+# Feeds with at least this many (row, expert) pairs sort them by expert (see the docstring).
+SORT_MIN_PAIRS = 64
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """What a MoE config decides (kept in ``ModelArgs.extra["moe"]``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per routed expert
+    scoring: str  # one of SCORINGS
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]  # per decoder layer: MoE (True) or dense MLP
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    correction_bias: bool = False  # e_score_correction_bias (sigmoid routing)
+    shared: str | None = None  # one of SHARED
+    shared_intermediate_size: int = 0
+
+
+def settings(args: ModelArgs) -> MoESettings:
+    found = args.extra.get("moe")
+    if not isinstance(found, MoESettings):
+        raise ValueError(f"{args.model_type} args carry no MoE settings (use model_args)")
+    return found
+
+
+# --- config fields
+
+
+def read_field(
+    cfg: dict, key: str, default: Any, kind: type, prefix: str, path: str | None,
+    *, minimum: float | None = None, aliases: tuple[str, ...] = (),
+) -> Any:  # fmt: skip
+    """``cfg[key]`` (or the first alias present; ``default`` when absent or null) checked to
+    be a ``kind`` (int, float or bool) no smaller than ``minimum``, else ``malformed``."""
+    for name in (key, *aliases):
+        if cfg.get(name) is not None:
+            key, value = name, cfg[name]
+            break
+    else:
+        value = default
+    ok = isinstance(value, bool) if kind is bool else (
+        isinstance(value, int | float) and not isinstance(value, bool)
+        and (kind is float or isinstance(value, int))
+    )  # fmt: skip
+    if not ok or (minimum is not None and value < minimum):
+        want = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+        bound = "" if minimum is None or kind is bool else f" >= {minimum}"
+        raise cfgs.malformed(prefix + key, f"expected {want}{bound}, found {value!r}", path)
+    return kind(value)
+
+
+def qwen_sparse_layers(
+    layers: int, num_experts: int, mlp_only_layers: list[int], decoder_sparse_step: int
+) -> tuple[bool, ...]:
+    """transformers' Qwen MoE schedule: layer i is sparse unless listed in ``mlp_only_layers``,
+    when there are experts and ``(i + 1) % decoder_sparse_step == 0``."""
+    return tuple(
+        i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0
+        for i in range(layers)
+    )
+
+
+# Qwen3MoeConfig's defaults (transformers 5.24); other Qwen MoE configs pass their own.
+QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                      "norm_topk_prob": False, "decoder_sparse_step": 1}  # fmt: skip
+
+
+def read_qwen_moe(
+    cfg: dict, layers: int, prefix: str, path: str | None, *, shared: bool,
+    defaults: dict[str, Any] | None = None,
+) -> MoESettings:  # fmt: skip
+    """The MoE keys of the Qwen families (qwen3_moe; with ``shared`` the gated shared expert
+    of qwen2_moe / qwen3_next / qwen3_5_moe, ``shared_expert_intermediate_size``), absent keys
+    taking ``defaults`` (default :data:`QWEN3_MOE_DEFAULTS`)."""
+    d = {**QWEN3_MOE_DEFAULTS, **(defaults or {})}
+    experts = read_field(cfg, "num_experts", d["num_experts"], int, prefix, path, minimum=0,
+                         aliases=("num_local_experts",))  # fmt: skip
+    top_k = read_field(cfg, "num_experts_per_tok", d["num_experts_per_tok"], int, prefix, path,
+                       minimum=1)  # fmt: skip
+    width = read_field(cfg, "moe_intermediate_size", d["moe_intermediate_size"], int, prefix,
+                       path, minimum=1)  # fmt: skip
+    step = read_field(cfg, "decoder_sparse_step", d["decoder_sparse_step"], int, prefix, path,
+                      minimum=1)  # fmt: skip
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in only
+    ):
+        raise cfgs.malformed(prefix + "mlp_only_layers", f"expected layer indices: {only!r}", path)
+    if experts and top_k > experts:
+        raise cfgs.malformed(
+            prefix + "num_experts_per_tok", f"{top_k} > num_experts {experts}", path
+        )
+    shared_width = read_field(cfg, "shared_expert_intermediate_size", 0, int, prefix, path,
+                              minimum=0)  # fmt: skip
+    if shared_width and not shared:
+        raise cfgs.refuse(
+            prefix + "shared_expert_intermediate_size", shared_width,
+            "this family has no shared expert (the checkpoint needs other model code)", path,
+        )  # fmt: skip
+    return MoESettings(
+        num_experts=experts, top_k=top_k, intermediate_size=width, scoring="softmax",
+        norm_topk_prob=read_field(cfg, "norm_topk_prob", d["norm_topk_prob"], bool, prefix, path),
+        sparse_layers=qwen_sparse_layers(layers, experts, only, step),
+        shared="gated" if shared and shared_width else None,
+        shared_intermediate_size=shared_width,
+    )  # fmt: skip
+
+
+# --- the block
+
+
+class Router(Linear):
+    """The router's ``[E, D]`` product (``gate``; the runner's ``Linear``, so device tuning
+    packs it like any projection), with DeepSeek-V3 / GLM's ``e_score_correction_bias`` when
+    the settings ask for it."""
+
+    def __init__(self, dims: int, s: MoESettings) -> None:
+        super().__init__(dims, s.num_experts, bias=False)
+        if s.correction_bias:
+            self.e_score_correction_bias = mx.zeros((s.num_experts,))
+
+    def to_quantized(self, *args: Any, **kwargs: Any) -> nn.Module:
+        if "e_score_correction_bias" in self:
+            raise UnsupportedArchitecture(
+                "a quantized MoE router with e_score_correction_bias (sigmoid routing keeps "
+                "its router in float32; dequantize the checkpoint's mlp.gate)"
+            )
+        return super().to_quantized(*args, **kwargs)
+
+
+def route(gate: nn.Module, x: mx.array, s: MoESettings) -> tuple[mx.array, mx.array]:
+    """``(experts [T, k] int32, weights [T, k])`` for rows ``x`` ``[T, D]`` (module
+    docstring); weights are float32 for sigmoid routing, the logits' dtype for softmax."""
+    k = s.top_k
+    if s.scoring == "softmax":
+        logits = gate(x)
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+        experts = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+        weights = mx.take_along_axis(probs, experts, axis=-1)
+        if s.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return experts, weights.astype(logits.dtype)
+    scores = mx.sigmoid(gate(x.astype(mx.float32)).astype(mx.float32))
+    choice = scores
+    if "e_score_correction_bias" in gate:
+        choice = scores + gate.e_score_correction_bias.astype(mx.float32)
+    if s.n_group > 1:
+        rows = choice.shape[0]
+        grouped = choice.reshape(rows, s.n_group, -1)
+        rating = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [T, G]
+        dropped = s.n_group - s.topk_group
+        if dropped:
+            worst = mx.argpartition(rating, kth=dropped - 1, axis=-1)[..., :dropped]
+            grouped = mx.put_along_axis(
+                grouped, worst[..., None], mx.array(-mx.inf, mx.float32), axis=1
+            )
+        choice = grouped.reshape(rows, -1)
+    experts = mx.argpartition(-choice, kth=k - 1, axis=-1)[..., :k]
+    weights = mx.take_along_axis(scores, experts, axis=-1)
+    if s.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return experts, weights * s.routed_scaling_factor
+
+
+class SwitchLinear(nn.Module):
+    """``E`` stacked ``[out, in]`` matrices; a call multiplies each row by its experts' only.
+
+    Stored as loaded (``weight``) until device tuning (:func:`lay_out_experts`) moves it to a
+    private array: ``_w`` (an ``[E, out, in]`` view of its block's fused gate/up matrix),
+    ``_wt`` (``[E, in, out]`` contiguous) or ``_panels`` (``runner.native.expert_panels``, a
+    view when fused); :meth:`dense` reads any of them back."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = mx.zeros((num_experts, output_dims, input_dims))
+        self.output_dims = output_dims  # kept up to date by lay_out (the weight may go)
+
+    def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool) -> mx.array:
+        return mx.gather_mm(x, self.operand(), rhs_indices=experts, sorted_indices=sorted_indices)
+
+    def operand(self) -> mx.array:
+        """The ``[E, in, out]`` right operand of ``gather_mm`` (a transposed view or ``_wt``)."""
+        if "_wt" in self:
+            return self._wt
+        return (self["_w"] if "_w" in self else self.weight).swapaxes(-1, -2)
+
+    def dense(self) -> mx.array:
+        """The ``[E, out, in]`` experts, whatever the layout."""
+        if "weight" in self:
+            return self.weight
+        if "_w" in self:
+            return self._w
+        if "_wt" in self:
+            return self._wt.swapaxes(-1, -2)
+        p = self._panels  # [E, NB, in, P] -> [E, NB * P, in], cut to out
+        e, nb, k, width = p.shape
+        return p.transpose(0, 1, 3, 2).reshape(e, nb * width, k)[:, : self.output_dims]
+
+    def panel_product(self, x: mx.array, experts: mx.array) -> mx.array:
+        """``[T, k, out]`` over ``_panels`` (``runner.native.gather_panel_matmul``)."""
+        return native.gather_panel_matmul(x, self._panels, experts, self.output_dims)
+
+    def to_quantized(
+        self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_: Any
+    ) -> QuantizedSwitchLinear:
+        """The quantized twin (``nn.quantize`` and the loader's ``quantize_model`` call it)."""
+        experts, out, _ = self.weight.shape
+        q = QuantizedSwitchLinear(experts, out, group_size, bits, mode)
+        q.weight, q.scales, q.biases = mx.quantize(self.weight, group_size, bits, mode=mode)
+        return q
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """Affine-quantized stacked experts (mlx-lm's triples), multiplied with ``gather_qmm``."""
+
+    def __init__(self, experts: int, out: int, group_size: int, bits: int, mode: str) -> None:
+        super().__init__()
+        if mode != "affine":
+            raise UnsupportedArchitecture(f"quantization mode {mode!r} for MoE experts")
+        self.group_size, self.bits = group_size, bits
+        # Placeholders; the loader replaces them with the checkpoint's tensors.
+        self.weight = mx.zeros((experts, out, 1), dtype=mx.uint32)
+        self.scales = mx.zeros((experts, out, 1))
+        self.biases = mx.zeros((experts, out, 1))
+
+    def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool) -> mx.array:
+        return mx.gather_qmm(
+            x, self.weight, self.scales, self.biases, rhs_indices=experts, transpose=True,
+            group_size=self.group_size, bits=self.bits, sorted_indices=sorted_indices,
+        )  # fmt: skip
+
+    def dequantized(self) -> mx.array:
+        return mx.dequantize(self.weight, self.scales, self.biases, self.group_size, self.bits)
+
+
+class SwitchGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` per selected expert.
+
+    Three layouts (:func:`lay_out_experts`): as loaded, one ``gather_mm`` per projection;
+    ``packed``, gate and up fused into one stacked ``[E, 2I, D]`` product (``_gate_up``) and
+    down stored ``[E, I, D]``; ``panels``, ``runner.native``'s gathered product over each
+    expert's column panels (gate and up fused as ``_gate_up_p`` when ``I`` is a whole number
+    of panels), which needs no sort at any size (it groups the pairs by expert itself)."""
+
+    def __init__(self, dims: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.gate_proj = SwitchLinear(dims, hidden, num_experts)
+        self.up_proj = SwitchLinear(dims, hidden, num_experts)
+        self.down_proj = SwitchLinear(hidden, dims, num_experts)
+
+    def _glu(self, x: mx.array, experts: mx.array, ordered: bool) -> mx.array:
+        if "_gate_up" in self:
+            fused = mx.gather_mm(
+                x, self._gate_up.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=ordered
+            )
+            gate, up = mx.split(fused, 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x, experts, ordered), self.up_proj(x, experts, ordered)
+        return self.down_proj(nn.silu(gate) * up, experts, ordered)
+
+    def _panels(self, x: mx.array, experts: mx.array) -> mx.array:
+        rows = x[:, None, :]  # [T, 1, D]: every expert of row t reads row t
+        if "_gate_up_p" in self:
+            fused = native.gather_panel_matmul(rows, self._gate_up_p, experts, 2 * self.hidden)
+            gate, up = mx.split(fused, 2, axis=-1)
+        else:
+            gate = self.gate_proj.panel_product(rows, experts)
+            up = self.up_proj.panel_product(rows, experts)
+        return self.down_proj.panel_product(nn.silu(gate) * up, experts)
+
+    @property
+    def hidden(self) -> int:
+        return self.gate_proj.output_dims
+
+    def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
+        """``[T, k, D]``: row t through each of its experts ``experts[t]``."""
+        if "_panels" in self.down_proj:
+            return self._panels(x, experts)
+        rows, k = experts.shape
+        if experts.size < SORT_MIN_PAIRS:
+            return self._glu(x[:, None, None, :], experts, False).squeeze(-2)
+        flat = experts.flatten()
+        order = mx.argsort(flat)
+        y = self._glu(x[order // k][:, None, :], flat[order], True)
+        return y[mx.argsort(order)].reshape(rows, k, -1)
+
+    def lay_out(self, layout: str) -> bool:
+        """Store the experts in ``layout`` (see the class docstring; "hf" leaves them as
+        loaded); False when they stay as they are (quantized, already laid out, "hf")."""
+        parts = (self.gate_proj, self.up_proj, self.down_proj)
+        if layout == "hf" or not all(type(p) is SwitchLinear and "weight" in p for p in parts):
+            return False
+        gate, up, down = (p.weight for p in parts)
+        hidden = gate.shape[1]
+        fresh: list[mx.array] = []
+        if layout == "packed":
+            # gate/up keep the [out, in] orientation (gather_mm's transposed operand then reads
+            # rows of length D); down goes [in, out] (its [out, in] rows are only I long, and
+            # a one-row product over short rows runs well below the memory's rate).
+            self._gate_up = mx.concatenate([gate, up], axis=1)
+            self.gate_proj._w = self._gate_up[:, :hidden]
+            self.up_proj._w = self._gate_up[:, hidden:]
+            self.down_proj._wt = mx.contiguous(down.swapaxes(-1, -2))
+            fresh = [self._gate_up, self.down_proj._wt]
+        elif layout == "panels":
+            if hidden % native.PANEL == 0:
+                self._gate_up_p = native.expert_panels(mx.concatenate([gate, up], axis=1))
+                half = hidden // native.PANEL
+                self.gate_proj._panels = self._gate_up_p[:, :half]
+                self.up_proj._panels = self._gate_up_p[:, half:]
+                fresh = [self._gate_up_p]
+            else:
+                self.gate_proj._panels = native.expert_panels(gate)
+                self.up_proj._panels = native.expert_panels(up)
+                fresh = [self.gate_proj._panels, self.up_proj._panels]
+            self.down_proj._panels = native.expert_panels(down)
+            fresh.append(self.down_proj._panels)
+        else:
+            raise ValueError(f"unknown expert layout {layout!r}")
+        for p in parts:
+            p.output_dims = p.weight.shape[1]
+            del p["weight"]
+        mx.eval(fresh)  # one block at a time: the loaded copy goes as the new one is made
+        return True
+
+
+def lay_out_experts(module: nn.Module, layout: str) -> int:
+    """Every routed-expert block below ``module`` in ``layout`` ("hf", "packed" or "panels",
+    as ``runner.device.tune`` names the model's layout; "panels" needs the gathered product
+    in ``runner.native``, else the experts are packed); returns how many blocks moved. Run by
+    device tuning only, before compiling (compiled blocks keep the weights they traced)."""
+    if layout == "panels" and not native.gathered_available():
+        layout = "packed"
+    return sum(
+        child.lay_out(layout) for _, child in module.named_modules() if isinstance(child, SwitchGLU)
+    )
+
+
+class SparseMoE(nn.Module):
+    """The MoE MLP of one decoder layer (router, routed experts, optional shared expert)."""
+
+    def __init__(self, args: ModelArgs, s: MoESettings) -> None:
+        super().__init__()
+        dim = args.hidden_size
+        self.settings = s
+        self.gate = Router(dim, s)
+        self.switch_mlp = SwitchGLU(dim, s.intermediate_size, s.num_experts)
+        if s.shared is not None:
+            shared_args = dataclasses.replace(
+                args, intermediate_size=s.shared_intermediate_size, mlp_bias=False
+            )
+            if s.shared == "plain":
+                self.shared_experts = MLP(shared_args)
+            else:
+                self.shared_expert = MLP(shared_args)
+                self.shared_expert_gate = Linear(dim, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        experts, weights = route(self.gate, rows, self.settings)
+        y = self.switch_mlp(rows, experts)  # [T, k, D]
+        y = (y.astype(mx.float32) * weights[..., None].astype(mx.float32)).sum(axis=1)
+        y = y.astype(x.dtype).reshape(shape)
+        if "shared_experts" in self:
+            y = y + self.shared_experts(x)
+        elif "shared_expert" in self:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """A llama-family block whose MLP is a :class:`SparseMoE` when ``sparse``; families pass
+    their attention class."""
+
+    attention: type[nn.Module] | None = None
+
+    def __init__(self, args: ModelArgs, sparse: bool) -> None:
+        super().__init__(args)
+        if self.attention is not None:
+            self.self_attn = self.attention(args)
+        if sparse:
+            self.mlp = SparseMoE(args, settings(args))
+
+
+class MoEStack(LlamaModel):
+    layer = MoEDecoderLayer
+
+    def __init__(self, args: ModelArgs) -> None:
+        nn.Module.__init__(self)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [self.layer(args, sparse) for sparse in settings(args).sparse_layers]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+# --- checkpoint layouts
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
+_FUSED = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
+
+
+def stack_experts(
+    weights: dict[str, mx.array], sources: dict[str, str], num_experts: int
+) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Every layout of routed experts (module docstring) as ``<mlp>.switch_mlp.<proj>.*``, for
+    every layer that has them (an inline MTP layer too). An incomplete or malformed set of
+    experts is a ``CorruptModelFile`` / ``MissingTensor`` naming the tensor."""
+    out: dict[str, mx.array] = {}
+    where: dict[str, str] = dict(sources)
+    groups: dict[tuple[str, str, str], dict[int, str]] = {}
+    for name, value in weights.items():
+        per, fused = _PER_EXPERT.match(name), _FUSED.match(name)
+        if per:
+            mlp, index, proj, part = per.groups()
+            groups.setdefault((mlp, proj, part), {})[int(index)] = name
+        elif fused:
+            mlp, kind, _ = fused.groups()
+            src = sources.get(name)
+            if value.ndim != 3 or value.shape[0] != num_experts:
+                raise CorruptModelFile(
+                    f"expected [{num_experts}, out, in] stacked experts, found "
+                    f"{tuple(value.shape)}", path=src, tensor=name,
+                )  # fmt: skip
+            if kind == "down_proj":
+                _put(out, where, f"{mlp}.switch_mlp.down_proj.weight", value, src)
+                continue
+            if value.shape[1] % 2:
+                raise CorruptModelFile("gate_up_proj rows are not two halves", src, name)
+            half = value.shape[1] // 2
+            _put(out, where, f"{mlp}.switch_mlp.gate_proj.weight", value[:, :half], src)
+            _put(out, where, f"{mlp}.switch_mlp.up_proj.weight", value[:, half:], src)
+        else:
+            out[name] = value
+    for (mlp, proj, part), names in groups.items():
+        missing = [i for i in range(num_experts) if i not in names]
+        if missing:
+            tensor = f"{mlp}.experts.{missing[0]}.{proj}.{part}"
+            raise MissingTensor(
+                f"expert {missing[0]} of {num_experts} is missing",
+                path=sources.get(names[min(names)]), tensor=tensor,
+            )  # fmt: skip
+        extra = sorted(i for i in names if i >= num_experts)
+        if extra:
+            raise CorruptModelFile(
+                f"expert {extra[0]} beyond num_experts {num_experts}",
+                path=sources.get(names[extra[0]]), tensor=names[extra[0]],
+            )  # fmt: skip
+        stacked = mx.stack([weights[names[i]] for i in range(num_experts)])
+        _put(out, where, f"{mlp}.switch_mlp.{proj}.{part}", stacked, sources.get(names[0]))
+    return out, where
+
+
+def _put(out: dict, where: dict, name: str, value: mx.array, source: str | None) -> None:
+    if name in out:
+        raise CorruptModelFile("experts stored in two layouts at once", path=source, tensor=name)
+    out[name] = value
+    if source is not None:
+        where[name] = source
+
+
+class MoEModel(LlamaCausalLM):
+    """A llama-family causal LM whose stack has MoE layers (``prepare_weights`` puts the
+    experts in one layout; a sigmoid router stays float32)."""
+
+    inner = MoEStack
+
+    def prepare_weights(
+        self, weights: dict[str, mx.array], sources: dict[str, str]
+    ) -> tuple[dict[str, mx.array], dict[str, str]]:
+        """Run by the loader before its checks (``runner.loader.load_model``)."""
+        s = settings(self.args)
+        weights, sources = stack_experts(weights, sources, s.num_experts)
+        if s.scoring == "sigmoid":
+            # transformers keeps these float32 (_keep_in_fp32_modules_strict); the loader
+            # casts every float to the model's dtype, so load_weights puts them back.
+            own = {f"model.layers.{i}.mlp.gate" for i, sparse in enumerate(s.sparse_layers)
+                   if sparse}  # fmt: skip
+            keep = {
+                name: value.astype(mx.float32)
+                for name, value in weights.items()
+                if name.rpartition(".")[0] in own and mx.issubdtype(value.dtype, mx.floating)
+            }
+            object.__setattr__(self, "_float32_router", keep)
+        return weights, sources
+
+    def load_weights(self, file_or_weights, strict: bool = True) -> nn.Module:
+        keep = self.__dict__.pop("_float32_router", None)
+        if keep and isinstance(file_or_weights, list):
+            file_or_weights = [(n, keep.get(n, w)) for n, w in file_or_weights]
+        return super().load_weights(file_or_weights, strict=strict)

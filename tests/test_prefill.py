@@ -1,0 +1,423 @@
+"""Prefill at the compute rate: the blocked attention of long feeds against a float64
+softmax and the five-op composition, and cancels that land between the layers of a chunk.
+
+Most tests shrink the kernel's blocks and tiles (``small_tiles``) so that short feeds cross
+every boundary: partial blocks, partial tiles, tiles that straddle a block's diagonal, a
+cached prefix that is not tile-aligned. One test runs the default model at the real sizes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runner import decoder
+from runner.decoder import Cancelled, prefill, prefill_ends
+from runner.loader import load_model
+from runner.models import attention
+from runner.models.llama import causal_mask, window_mask
+
+# ---------------------------------------------------------------------------- the kernel
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Blocks of 16 rows, key tiles of 48, last tiles rounded to 8: short feeds cross them."""
+    monkeypatch.setattr(attention, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(attention, "KEY_TILE", 48)
+    monkeypatch.setattr(attention, "GRAIN", 8)
+    monkeypatch.setattr(attention, "MIN_ROWS", 4)
+
+
+@pytest.fixture
+def five_ops(monkeypatch):
+    """Every feed through the five-op composition (the reference path)."""
+    monkeypatch.setattr(attention, "MIN_ROWS", 1 << 30)
+
+
+def reference(q, k, v, scale, visible=None, softcap=None) -> np.ndarray:
+    """softmax(scale q k^T) v in float64 with grouped heads; ``visible`` [L, T] booleans."""
+    q, k, v = (np.array(a, dtype=np.float64) for a in (q, k, v))
+    per_group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, per_group, axis=1), np.repeat(v, per_group, axis=1)
+    s = np.einsum("bhld,bhtd->bhlt", q * scale, k)
+    if softcap is not None:
+        s = np.tanh(s / softcap) * softcap
+    if visible is not None:
+        s = np.where(visible, s, -np.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    w = np.exp(s)
+    return np.einsum("bhlt,bhtd->bhld", w / w.sum(axis=-1, keepdims=True), v)
+
+
+def causal(offset: int, length: int) -> np.ndarray:
+    return np.arange(offset + length)[None, :] <= np.arange(offset, offset + length)[:, None]
+
+
+def qkv(length: int, keys: int, batch=1, heads=4, groups=2, dim=16, seed=0, spread=3.0):
+    q = mx.random.normal((batch, heads, length, dim), key=mx.random.key(seed)) * spread
+    k = mx.random.normal((batch, groups, keys, dim), key=mx.random.key(seed + 1))
+    v = mx.random.normal((batch, groups, keys, dim), key=mx.random.key(seed + 2))
+    return q, k, v
+
+
+# (rows, cached prefix): shorter than a block, one block, block + 1, several blocks and tiles,
+# prefixes that leave the diagonal inside a tile or across a tile boundary, a tile whose last
+# key is one or two past a block's first row.
+SHAPES = [
+    (5, 0), (16, 0), (17, 0), (37, 11), (48, 0), (50, 47), (64, 95), (100, 133), (20, 46),
+    (3, 93),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("length,offset", SHAPES)
+def test_causal_blocks_equal_the_softmax(small_tiles, length, offset):
+    q, k, v = qkv(length, offset + length, seed=length + offset)
+    got = attention.blocked_attention(q, k, v, scale=0.25, mask="causal")
+    want = reference(q, k, v, 0.25, causal(offset, length))
+    np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("length,offset", [(37, 11), (100, 133)])
+def test_array_masks_no_mask_batches_and_softcap(small_tiles, length, offset):
+    keys = offset + length
+    q, k, v = qkv(length, keys, batch=2, heads=6, groups=3, seed=7)
+    want_causal = reference(q, k, v, 0.25, causal(offset, length))
+    additive = causal_mask(offset, length)
+    for mask in (additive, additive == 0):  # an additive and a boolean [L, T] mask
+        got = attention.blocked_attention(q, k, v, scale=0.25, mask=mask)
+        np.testing.assert_allclose(np.array(got), want_causal, atol=2e-5, rtol=0)
+    got = attention.blocked_attention(q, k, v, scale=0.25, mask=None)
+    np.testing.assert_allclose(np.array(got), reference(q, k, v, 0.25), atol=2e-5, rtol=0)
+    window = window_mask(offset, length, 20)  # a sliding window's additive mask, -inf outside
+    want = reference(q, k, v, 0.25, np.array(window) == 0)
+    got = attention.blocked_attention(q, k, v, scale=0.25, mask=window)
+    np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=0)
+    got = attention.blocked_attention(q, k, v, scale=0.25, mask="causal", softcap=5.0)
+    want = reference(q, k, v, 0.25, causal(offset, length), softcap=5.0)
+    np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=0)
+
+
+def test_scores_far_apart_keep_their_weights(small_tiles):
+    """Rows whose scores span more than float32's exponent range: what underflows in the
+    softmax underflows here too, the rest keeps full precision (the row maximum is exact)."""
+    q, k, v = qkv(40, 90, seed=3, spread=40.0)
+    got = attention.blocked_attention(q, k, v, scale=0.25, mask="causal")
+    want = reference(q, k, v, 0.25, causal(50, 40))
+    assert np.isfinite(np.array(got)).all()
+    np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=0)
+
+
+def test_exp2_of_nonpositive_values():
+    d = np.concatenate([
+        -np.linspace(0.0, 130.0, 20001), [-0.5, -0.49999997, -1.5, -126.4, -126.6, -127.0],
+        [-127.5, -200.0, -1e6, attention.MASKED],
+    ]).astype(np.float32)  # fmt: skip
+    got = np.array(attention.exp2_nonpositive(mx.array(d))).astype(np.float64)
+    want = np.exp2(d.astype(np.float64))
+    normal = d >= -125.0
+    rel = np.abs(got[normal] - want[normal]) / want[normal]
+    assert rel.max() < 4e-7
+    assert np.all(got[d <= -127.5] == 0.0)
+    assert np.all(np.abs(got[~normal] - want[~normal]) < 1e-37)
+
+
+def test_only_many_row_float32_feeds_on_the_cpu_take_the_kernel():
+    assert attention.serves(attention.MIN_ROWS, mx.float32, "causal")
+    assert not attention.serves(attention.MIN_ROWS - 1, mx.float32, "causal")  # decode, verify
+    assert not attention.serves(512, mx.bfloat16, "causal")
+    assert not attention.serves(512, mx.float32, mx.zeros((2, 1, 512, 600)))  # per sequence
+    assert attention.serves(512, mx.float32, None)
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def collect(rows: list):
+    """An ``on_commit`` hook appending each chunk's hidden rows to ``rows``."""
+    return lambda ids, hidden, position: rows.append(np.array(hidden))
+
+
+def hidden_rows(model, tokens, chunk, start_tokens=()):
+    """Every prompt row's hidden (post-norm) after prefilling ``start_tokens`` then ``tokens``
+    in chunks of ``chunk``, and the caches."""
+    caches = model.make_caches()
+    position = prefill(model, caches, list(start_tokens), 0, chunk=chunk)
+    rows: list[np.ndarray] = []
+    prefill(model, caches, tokens, position, chunk=chunk, on_commit=collect(rows))
+    return np.concatenate(rows), caches
+
+
+def greedy(model, caches, first: int, steps: int) -> list[int]:
+    out, token = [], first
+    for _ in range(steps):
+        logits, _ = model.forward(mx.array([[token]]), caches)
+        token = int(mx.argmax(logits[0, -1]).item())
+        out.append(token)
+    return out
+
+
+def prompt(n: int, seed: int = 0, vocab: int = 300) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, vocab, size=n)]
+
+
+@pytest.mark.parametrize("length,prefix", [(9, 0), (33, 0), (70, 0), (131, 0), (100, 45)])
+def test_chunked_prefill_equals_one_five_op_forward(small_tiles, tiny_checkpoint, length, prefix):
+    """Blocked chunks of 1, 24, 64 rows and the whole prompt against one unchunked forward
+    through the five-op composition: hiddens within float32 tolerance, the same greedy run."""
+    model = load_model(tiny_checkpoint).model
+    tokens = prompt(prefix + length)
+    saved = attention.MIN_ROWS
+    attention.MIN_ROWS = 1 << 30
+    try:
+        caches = model.make_caches()
+        want = np.array(model.hidden(mx.array([tokens]), caches)[0])
+        want_run = greedy(model, caches, tokens[-1], 6)
+    finally:
+        attention.MIN_ROWS = saved
+    for chunk in (1, 24, 64, prefix + length):
+        got, caches = hidden_rows(model, tokens[prefix:], chunk, tokens[:prefix])
+        np.testing.assert_allclose(got, want[prefix:], atol=1e-4, rtol=0, err_msg=str(chunk))
+        assert greedy(model, caches, tokens[-1], 6) == want_run
+
+
+def test_default_model_long_prompt_keeps_its_greedy_tokens(default_loaded):
+    """The real sizes (blocks of 128, tiles of 512) on the default model: a 700-token prompt
+    after a 150-token cached prefix, prefilled in 512-token chunks, against the five-op
+    composition in one forward."""
+    model = default_loaded.model
+    tokens = prompt(850, seed=4, vocab=default_loaded.vocab_size)
+    saved = attention.MIN_ROWS
+    attention.MIN_ROWS = 1 << 30
+    try:
+        caches = model.make_caches()
+        want = model.hidden(mx.array([tokens]), caches)[0]
+        want_logits = np.array(model.unembed(want[-1]))
+        want_run = greedy(model, caches, tokens[-1], 8)
+    finally:
+        attention.MIN_ROWS = saved
+    got, caches = hidden_rows(model, tokens[150:], 512, tokens[:150])
+    np.testing.assert_allclose(got, np.array(want)[150:], atol=2e-4, rtol=0)
+    logits = np.array(model.unembed(mx.array(got[-1])))
+    np.testing.assert_allclose(logits, want_logits, atol=2e-3, rtol=0)
+    assert greedy(model, caches, tokens[-1], 8) == want_run
+
+
+# ---------------------------------------------------------------------------- cancels
+
+
+@pytest.fixture(scope="module")
+def four_layers(checkpoint_factory):
+    return load_model(checkpoint_factory("llama", num_hidden_layers=4)).model
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.runs: list[tuple[list[int], int, int]] = []
+
+    def __call__(self, ids, hidden, position) -> None:
+        self.runs.append((np.array(ids).tolist(), hidden.shape[0], position))
+
+
+def flips_after(n: int):
+    calls = {"n": 0}
+
+    def cancelled() -> bool:
+        calls["n"] += 1
+        return calls["n"] > n
+
+    return cancelled, calls
+
+
+def test_a_cancel_between_layers_keeps_exactly_the_whole_chunks(four_layers):
+    """Long chunks are polled before the chunk and after each of its layers; a cancel at any
+    poll leaves every cache at the end of the last whole chunk, the hook saw exactly those
+    chunks, and resuming from there gives what one uninterrupted prefill gives."""
+    model, layers, chunk = four_layers, len(four_layers.layers), 80
+    tokens = prompt(310, seed=2)
+    ends = prefill_ends(0, len(tokens), chunk)
+    want, _ = hidden_rows(model, tokens, chunk)
+    polls_per_chunk = 1 + layers  # chunk >= POLL_ROWS, the last one (70 rows) too
+    assert chunk >= decoder.POLL_ROWS and len(tokens) - ends[-2] >= decoder.POLL_ROWS
+    for n in range(len(ends) * polls_per_chunk):
+        caches = model.make_caches()
+        cancelled, calls = flips_after(n)
+        seen = Recorder()
+        with pytest.raises(Cancelled) as raised:
+            prefill(model, caches, tokens, 0, chunk=chunk, cancelled=cancelled, on_commit=seen)
+        kept = ([0] + ends)[n // polls_per_chunk]
+        assert calls["n"] == n + 1  # it stopped at the first poll that saw the cancel
+        assert raised.value.args == (kept,)
+        assert [c.offset for c in caches] == [kept] * layers
+        starts = [0] + ends[:-1]
+        whole = [(a, b - a) for a, b in zip(starts, ends, strict=True) if b <= kept]
+        assert [(pos, rows) for _, rows, pos in seen.runs] == whole
+        assert [t for ids, _, _ in seen.runs for t in ids] == tokens[:kept]
+        rows: list[np.ndarray] = [np.array(want[:kept])]
+        prefill(model, caches, tokens[kept:], kept, chunk=chunk, on_commit=collect(rows))
+        np.testing.assert_allclose(np.concatenate(rows), want, atol=1e-5, rtol=0)
+
+
+def test_long_prompts_shrink_their_chunks_as_the_context_grows():
+    ends = prefill_ends(0, 8000, 512)
+    sizes = [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    assert ends[-1] == 8000 and all(0 < n <= 512 for n in sizes)
+    assert sizes[:4] == [512] * 4 and sizes[4] == 256 and max(sizes[12:]) == 128
+    starts = [0, *ends[:-1]]
+    for n, start in zip(sizes, starts, strict=True):  # bounded work, or the floor
+        assert n * (start + n) <= decoder.LAYER_WORK or n == decoder.SHRINK_FLOOR or n == sizes[-1]
+    assert prefill_ends(0, 60, 8) == list(range(8, 60, 8)) + [60]  # short chunks as asked
+    assert prefill_ends(0, 8000, 8192) == [8000]  # one forward when the prompt fits one chunk
+    assert prefill_ends(300, 1000, 512) == [812, 1000]
+
+
+def test_short_chunks_poll_once_per_chunk(four_layers):
+    """Below POLL_ROWS a chunk runs as one graph: the poll count stays one per chunk."""
+    chunk = decoder.POLL_ROWS - 1
+    tokens = prompt(4 * chunk + 5, seed=6)
+    cancelled, calls = flips_after(3)
+    caches = four_layers.make_caches()
+    with pytest.raises(Cancelled) as raised:
+        prefill(four_layers, caches, tokens, 0, chunk=chunk, cancelled=cancelled)
+    assert raised.value.args == (3 * chunk,) and calls["n"] == 4
+    assert {c.offset for c in caches} == {3 * chunk}
+
+
+def test_a_cancel_set_from_another_thread_mid_chunk(four_layers):
+    """The cancel flag is set by another thread while a chunk is between its layers."""
+    flag, asked, answered = threading.Event(), threading.Event(), threading.Event()
+    polls = {"n": 0}
+
+    def cancelled() -> bool:
+        polls["n"] += 1
+        if polls["n"] == 7:  # chunk 2 (polls 6-10), after its first layer
+            asked.set()
+            assert answered.wait(10)
+        return flag.is_set()
+
+    def canceller() -> None:
+        assert asked.wait(10)
+        flag.set()
+        answered.set()
+
+    thread = threading.Thread(target=canceller)
+    thread.start()
+    caches = four_layers.make_caches()
+    seen = Recorder()
+    with pytest.raises(Cancelled) as raised:
+        prefill(four_layers, caches, prompt(400, seed=8), 0, chunk=100, cancelled=cancelled,
+                on_commit=seen)  # fmt: skip
+    thread.join()
+    assert raised.value.args == (100,) and polls["n"] == 7
+    assert [c.offset for c in caches] == [100] * len(caches)
+    assert [(pos, rows) for _, rows, pos in seen.runs] == [(0, 100)]
+
+
+def test_models_without_a_layer_hook_are_polled_between_chunks(four_layers):
+    class Plain:
+        """A model whose ``hidden`` takes no ``on_layer`` (as another family's may not)."""
+
+        def hidden(self, tokens, caches):
+            return four_layers.hidden(tokens, caches)
+
+    assert decoder.takes_layer_hook(four_layers) and not decoder.takes_layer_hook(Plain())
+    cancelled, calls = flips_after(2)
+    caches = four_layers.make_caches()
+    with pytest.raises(Cancelled) as raised:
+        prefill(Plain(), caches, prompt(500, seed=9), 0, chunk=128, cancelled=cancelled)
+    assert raised.value.args == (256,) and calls["n"] == 3
+    assert {c.offset for c in caches} == {256}
+
+
+def test_sliding_window_caches_rewind_a_cancelled_chunk(small_tiles, monkeypatch):
+    """Rotating caches (a sliding-window model, small buffer steps so the window re-lays its
+    buffer inside the chunk) rewound after a cancel between layers, then resumed."""
+    from pathlib import Path
+
+    from cache.kv import RotatingKVCache
+
+    monkeypatch.setattr(RotatingKVCache, "step", 8)
+    fixture = Path(__file__).resolve().parent / "fixtures" / "reference" / "mistral_sliding"
+    model = load_model(str(fixture), dtype="float32").model
+    tokens = prompt(230, seed=11, vocab=300)
+    want, _ = hidden_rows(model, tokens, 70)
+    cancelled, _ = flips_after(2 * (1 + len(model.layers)) + 2)  # chunk 3, after layer 1
+    caches = model.make_caches()
+    assert any(isinstance(c, RotatingKVCache) for c in caches)
+    with pytest.raises(Cancelled) as raised:
+        prefill(model, caches, tokens, 0, chunk=70, cancelled=cancelled)
+    assert raised.value.args == (140,) and {c.offset for c in caches} == {140}
+    rows: list[np.ndarray] = [np.array(want[:140])]
+    prefill(model, caches, tokens[140:], 140, chunk=70, on_commit=collect(rows))
+    np.testing.assert_allclose(np.concatenate(rows), want, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------- threads
+
+
+def test_attention_products_give_the_same_bits_on_one_or_every_core():
+    """What lets ``ThreadChoice`` pick the thread count by timing alone."""
+    from runner import blas
+
+    counts = blas.thread_counts()
+    if counts is None or counts[0] == counts[1]:
+        pytest.skip("the runner does not set this BLAS's thread count, or there is one core")
+    for length, offset in ((512, 0), (300, 1111), (128, 2000)):
+        q, k, v = qkv(length, offset + length, heads=9, groups=3, dim=64, seed=length)
+        narrow = np.array(attention.blocked_attention(q, k, v, scale=0.125, mask="causal"))
+        with blas.wide():
+            wide = np.array(attention.blocked_attention(q, k, v, scale=0.125, mask="causal"))
+        np.testing.assert_array_equal(narrow, wide)
+
+
+def test_thread_choice_switches_on_a_faster_probe_and_backs_off_otherwise(monkeypatch):
+    from runner import blas
+
+    monkeypatch.setattr(blas, "thread_counts", lambda: (1, 2))
+    choice = decoder.ThreadChoice()
+    assert choice.wide and choice.next_probe(30) == 1  # the first chunk probes
+    choice.settle(0.5, [1.0] * 29)  # narrow was twice as fast: switch, probe again next chunk
+    assert not choice.wide and choice.next_probe(30) == 1
+    plan = []
+    for _ in range(40):  # probes that change nothing come at doubling intervals
+        probe = choice.next_probe(30)
+        plan.append(probe)
+        if probe is not None:
+            choice.settle(1.0, [1.0] * 29)
+    assert not choice.wide
+    assert [i for i, p in enumerate(plan) if p is not None] == [0, 2, 6, 14, 30]
+    assert choice.next_probe(2) is None  # too few layers to time one against the rest
+    monkeypatch.setattr(blas, "thread_counts", lambda: None)
+    assert decoder.ThreadChoice().next_probe(30) is None  # a BLAS the runner does not set
+
+
+def test_prefill_probes_one_layer_the_other_way(four_layers, monkeypatch):
+    """A probing chunk runs layer 1 under the other thread count, the rest under the choice."""
+    from runner import blas
+
+    monkeypatch.setattr(blas, "thread_counts", lambda: (1, 2))
+    monkeypatch.setattr(decoder, "THREADS", decoder.ThreadChoice())
+    widths: list[bool] = []
+    entered = {"wide": False}
+
+    class Wide:
+        def __enter__(self):
+            entered["wide"] = True
+
+        def __exit__(self, *exc):
+            entered["wide"] = False
+
+    real_eval = mx.eval
+
+    def eval_(*args):
+        widths.append(entered["wide"])
+        return real_eval(*args)
+
+    monkeypatch.setattr(decoder.blas, "wide", Wide)
+    monkeypatch.setattr(decoder.mx, "eval", eval_)
+    prefill(four_layers, four_layers.make_caches(), prompt(128, seed=1), 0, chunk=128)
+    assert widths == [True, False, True, True, False]  # 4 layers (1 probed), then the norm
