@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from cache.ledger import Ledger, Outcome
 from runner import blas
+from runner.models.attention import between_blocks
 
 # Called with (tokens [L] int32 array, hiddens [L, D], position of tokens[0]) for every run of
 # tokens whose state the target caches keep: the draft session's `committed`.
@@ -37,9 +38,10 @@ class _CancelledInChunk(Exception):
     """A cancel seen between the layers of a chunk (``_LayerPoll``): the chunk is rewound."""
 
 
-# Chunks of at least this many rows are evaluated layer by layer with a cancel poll after
-# each layer, so a cancel lands within about one layer's time instead of a whole chunk's.
-# Shorter chunks are polled only ahead of each chunk (one call of ``cancelled`` per chunk).
+# Chunks of at least this many rows are evaluated piecewise with a cancel poll after each
+# layer and each query block of its attention, so a cancel lands within about one block's or
+# one layer's linear products' time instead of a whole chunk's. Shorter chunks are polled
+# only ahead of each chunk (one call of ``cancelled`` per chunk).
 POLL_ROWS = 64
 # While a prefill runs MLX may keep this many bytes of freed buffers for reuse (its default
 # is small on the CPU): the blocked attention's score tiles have fixed shapes, and a buffer
@@ -56,34 +58,11 @@ def chunk_ends(start: int, end: int, chunk: int) -> list[int]:
     return [*range(start + chunk, end, chunk), end]
 
 
-# A long prompt's chunks shrink as its context grows, so that one layer of a forward (the work
-# between two cancel polls) holds at most this many (query row, key) pairs of attention:
-# causal attention's total is the same however the prompt is cut, only the forwards get more.
-LAYER_WORK = 512 * 2048
-SHRINK_FLOOR = 128  # rows a shrunk chunk keeps at least (linear products stay GEMM-sized)
-
-
-def prefill_ends(start: int, end: int, chunk: int) -> list[int]:
-    """Absolute offsets where the chunks of a prefill of ``[start, end)`` end: ``chunk``
-    tokens each, halved (down to ``SHRINK_FLOOR``) while ``rows * keys`` of a chunk would pass
-    ``LAYER_WORK``. A prompt that fits in one chunk stays one forward: a model whose RoPE
-    depends on how it is fed asks for exactly that (a chunk of the whole context)."""
-    if end - start <= chunk:
-        return [end]
-    floor = min(chunk, SHRINK_FLOOR)
-    ends, position = [], start
-    while position < end:
-        rows = chunk
-        while rows > floor and rows * (position + rows) > LAYER_WORK:
-            rows = max(floor, rows // 2)
-        position = min(end, position + rows)
-        ends.append(position)
-    return ends
-
-
 def takes_layer_hook(model) -> bool:
     """Whether ``model.hidden`` accepts ``on_layer`` (``runner.models.llama.Model.hidden``):
-    such models are evaluated and polled layer by layer inside long chunks."""
+    such models are evaluated and polled layer by layer inside long chunks, and a chunk
+    cancelled there is rewound, so their caches must rewind to any offset of the last feed
+    (``KVCache``, ``RotatingKVCache``)."""
     try:
         return "on_layer" in inspect.signature(model.hidden).parameters
     except (TypeError, ValueError):
@@ -135,23 +114,53 @@ THREADS = ThreadChoice()
 
 
 class _LayerPoll:
-    """``on_layer`` hook of one chunk: evaluate the layer just built (wide or not, as
-    ``THREADS`` says; ``probe`` the other way), time it, then poll."""
+    """``on_layer`` hook of one chunk, a context for its forward: evaluates every layer (and
+    every query block of a blocked attention, ``attention.between_blocks``) as soon as it is
+    built, polls for a cancel after each, times the layers, and runs each wide or not as
+    ``THREADS`` says (layer ``probe`` the other way)."""
 
     def __init__(self, caches: list, cancelled: Callable[[], bool], probe: int | None) -> None:
         self.caches = caches
         self.cancelled = cancelled
         self.probe = probe
         self.seconds: list[float] = []
+        self._threads = contextlib.ExitStack()  # holds blas.wide() while a layer runs wide
+        self._wide = False
+        self._mark = 0.0
 
-    def __call__(self, index: int, x: mx.array) -> None:
-        wide = THREADS.wide != (index == self.probe)
-        start = time.perf_counter()
-        with blas.wide() if wide else contextlib.nullcontext():
-            mx.eval(x, self.caches[index].state)
-        self.seconds.append(time.perf_counter() - start)
+    def __enter__(self) -> _LayerPoll:
+        self._threads_for(0)
+        self._mark = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._threads.close()
+        self._wide = False
+
+    def _threads_for(self, layer: int) -> None:
+        wide = THREADS.wide != (layer == self.probe)
+        if wide and not self._wide:
+            self._threads.enter_context(blas.wide())
+        elif self._wide and not wide:
+            self._threads.close()
+        self._wide = wide
+
+    def _poll(self) -> None:
         if self.cancelled():
             raise _CancelledInChunk
+
+    def block(self, out: mx.array) -> None:
+        """Between two query blocks of a layer's attention."""
+        mx.eval(out)
+        self._poll()
+
+    def __call__(self, index: int, x: mx.array) -> None:
+        mx.eval(x, self.caches[index].state)
+        now = time.perf_counter()
+        self.seconds.append(now - self._mark)
+        self._mark = now
+        self._poll()
+        self._threads_for(index + 1)
 
     def settle(self) -> None:
         if self.probe is not None and len(self.seconds) > self.probe + 1:
@@ -181,26 +190,27 @@ def prefill(
     cancelled: Callable[[], bool] = lambda: False,
     on_commit: CommitHook | None = None,
 ) -> int:
-    """Evaluate ``tokens`` (starting at cache offset ``position``) in chunks (``prefill_ends``);
+    """Evaluate ``tokens`` (starting at cache offset ``position``) in chunks of ``chunk``;
     return the new offset. Cancellation is checked before each chunk and, in chunks of
-    ``POLL_ROWS`` rows or more of a model that takes a layer hook, after each layer. A
-    cancelled prefill raises ``Cancelled`` and keeps the chunks it finished: a chunk cancelled
-    between its layers is rewound, so every cache rests at the end of the last whole chunk,
-    and ``on_commit`` only ever sees whole chunks."""
+    ``POLL_ROWS`` rows or more of a model that takes a layer hook, after each layer and between
+    the query blocks of its blocked attention (``runner.models.attention``). A cancelled
+    prefill raises ``Cancelled`` and keeps the chunks it finished: a chunk cancelled inside is
+    rewound, so every cache rests at the end of the last whole chunk, and ``on_commit`` only
+    ever sees whole chunks."""
     start = position
     if not tokens:
         return start
     layered = takes_layer_hook(model)
-    layers = len(caches)
     with _buffer_cache(PREFILL_BUFFER_CACHE):
-        for end in prefill_ends(position, position + len(tokens), chunk):
+        for end in chunk_ends(position, position + len(tokens), chunk):
             if cancelled():
                 raise Cancelled(start)
             ids = mx.array(tokens[start - position : end - position], dtype=mx.int32)
             try:
                 if layered and end - start >= POLL_ROWS:
-                    poll = _LayerPoll(caches, cancelled, THREADS.next_probe(layers))
-                    hidden = model.hidden(ids[None], caches, on_layer=poll)
+                    poll = _LayerPoll(caches, cancelled, THREADS.next_probe(len(caches)))
+                    with poll, between_blocks(poll.block):
+                        hidden = model.hidden(ids[None], caches, on_layer=poll)
                     mx.eval(hidden, [c.state for c in caches])
                     poll.settle()
                 else:

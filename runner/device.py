@@ -9,8 +9,8 @@ a ``Tuning`` record; the engine reports it and nothing else probes a model for i
   column panels of ``runner.native``'s few-row product, which reads each weight once for all
   the rows of a feed (verify rows cost about one row; prefill chunks run on every core);
   a MoE block's routed experts in per-expert panels of its gathered product, which reads each
-  selected expert once for all the rows that chose it (packed: gate and up fused, down
-  stored ``[in, out]``, for ``gather_mm``);
+  selected expert once for all the rows that chose it (packed: the down projection stored
+  ``[in, out]`` for ``gather_mm``);
   without the native build, dense weights stored transposed (``x @ Wt``: one-row products
   skip a per-call transpose in the BLAS) and an ``[out, in]`` copy of the o and down weights
   for verify rows where the BLAS runs them faster that way (``blas.row_layout_pays``; only

@@ -243,6 +243,9 @@ def mlx_lm_worker(directory: str) -> None:
     mkl = os.path.join(bc.ROOT, ".venv", "lib", "libmkl_rt.so.3")
     if os.path.exists(mkl):
         os.environ.setdefault("MTP_RUNNER_MKL", mkl)
+    # MKL on every core for everything, as mlx-lm runs by default (the preload would set the
+    # runner's one-fewer-core decode count, which mlx-lm never widens for its prefill).
+    os.environ.setdefault("MKL_NUM_THREADS", str(os.cpu_count() or 1))
     runner.blas.preload()
     from pathlib import Path
 
@@ -266,7 +269,8 @@ def mlx_lm_worker(directory: str) -> None:
 
     import importlib.metadata
 
-    info = {"blas": runner.blas.blas_in_use(), "mlx": mx.__version__,
+    info = {"blas": f"{runner.blas.blas_in_use()}, MKL_NUM_THREADS="
+                    f"{os.environ['MKL_NUM_THREADS']}", "mlx": mx.__version__,
             "mlx_lm": importlib.metadata.version("mlx-lm")}  # fmt: skip
     bc.serve_worker(info, handle)
 

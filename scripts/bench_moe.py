@@ -28,16 +28,19 @@ at most three 4 GB models in memory at once:
 - ``main``: the runner's MoE (default tuning) against the dense model and mlx-lm;
 - ``change``: the MoE with its experts as loaded (one ``gather_mm`` per projection, a BLAS
   product per (row, expert) pair) against the default (runner.native's gathered panel product);
-- ``packed``: the layout without runner.native, experts as loaded against packed (gate and up
-  fused, down stored [in, out]).
+- ``packed``: the layout without runner.native, experts as loaded against packed (the down
+  projection stored [in, out]).
 
 Then the depth controller (``drafting.depth.DepthController``, its own cost model) is given
 each model's row costs as round costs (depth d: the (d+1)-row forward; the head's draft steps
 are left out, the same absolute cost for both models) and a fixed acceptance curve, and says
-which depth it would pick. ``--profile`` also splits a MoE decode step into its parts (router,
-each expert product, combine, sort) in each MoE process. Usage:
+which depth it would pick. ``--profile`` also splits a forward over 1 and 5 rows into its parts
+(router, each expert product, combine, the sort the few-row path skips; the dense model's MLP
+blocks beside them), each part built for all 16 layers and evaluated as one graph, eagerly,
+the runner sides taking turns for ``--profile-rounds`` rounds. Usage:
 
-    python scripts/bench_moe.py [--reps 5] [--decode 64] [--phases main,change] [--profile]
+    python scripts/bench_moe.py [--reps 5] [--decode 64] [--phases main,change,packed]
+                                [--profile]
 
 Writes bench-results/moe.json.
 """
@@ -292,8 +295,8 @@ def expert_layout(model) -> str:
         if isinstance(m, moe.SwitchGLU):
             if "_panels" in m.down_proj:
                 return "panels (runner.native gathered product)"
-            if "_gate_up" in m:
-                return "packed (gate/up fused, down [in, out]; gather_mm)"
+            if "_wt" in m.down_proj:
+                return "packed (down [in, out]; gather_mm)"
             return "as loaded (gather_mm per projection)"
     return "no experts"
 
@@ -356,14 +359,10 @@ def profile_rows(model, r: int, reps: int) -> dict[str, float]:
             hs[i], routes[i][0]
         )
     else:
-        if "_gate_up" in sw[0]:
-            parts["gate+up: one fused gather_mm"] = lambda i: mx.gather_mm(
-                x4[i], sw[i]._gate_up.swapaxes(-1, -2), rhs_indices=routes[i][0]
-            )
-        else:
-            parts["gate: gather_mm"] = lambda i: sw[i].gate_proj(x4[i], routes[i][0], False)
-            parts["up: gather_mm"] = lambda i: sw[i].up_proj(x4[i], routes[i][0], False)
-        parts["down: gather_mm"] = lambda i: sw[i].down_proj(h4[i], routes[i][0], False)
+        parts["gate: gather_mm"] = lambda i: sw[i].gate_proj(x4[i], routes[i][0], False)
+        parts["up: gather_mm"] = lambda i: sw[i].up_proj(x4[i], routes[i][0], False)
+        down = "down [in, out]" if "_wt" in sw[0].down_proj else "down"
+        parts[f"{down}: gather_mm"] = lambda i: sw[i].down_proj(h4[i], routes[i][0], False)
     parts["silu(gate) * up"] = lambda i: nn.silu(hs[i]) * hs[i]
     parts["weighted sum over the k experts"] = lambda i: (ys[i] * routes[i][1][..., None]).sum(1)
     parts["sort + unsort (what-if: skipped under 64 pairs)"] = sort_unsort

@@ -56,12 +56,8 @@ def runner_worker(model_path: str, tree: str) -> None:
     import mlx.core as mx
 
     import runner
-    from runner import decoder
-    from runner.decoder import Cancelled, prefill
+    from runner.decoder import Cancelled, chunk_ends, prefill
     from runner.engine import Engine, EngineOptions
-
-    # Where chunks end (older revisions cut every chunk the same size).
-    ends = getattr(decoder, "prefill_ends", decoder.chunk_ends)
 
     engine = Engine(EngineOptions(model_path=model_path, use_draft=False, prefix_cache=False))
     model, chunk = engine.model, engine.options.prefill_chunk
@@ -96,7 +92,7 @@ def runner_worker(model_path: str, tree: str) -> None:
             raised_at, kept = time.perf_counter(), stop.args[0]
         thread.join()
         offsets = sorted({c.offset for c in caches})
-        boundaries = {0, *ends(0, len(tokens), chunk)}
+        boundaries = {0, *chunk_ends(0, len(tokens), chunk)}
         result = {
             "delay_s": delay,
             "finished": raised_at is None,

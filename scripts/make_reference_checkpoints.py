@@ -754,7 +754,8 @@ def main(argv=None) -> int:
         "--only",
         nargs="*",
         help="spec or case names, or hybrid (scripts/reference_hybrid.py's "
-        "cases under hybrid/); default: all",
+        "cases under hybrid/), moe (reference_moe.py's, under moe/) or hybrid_moe (the "
+        "MoE hybrids among them); default: all",
     )
     args = parser.parse_args(argv)
     wanted = set(args.only or [])
@@ -779,6 +780,14 @@ def main(argv=None) -> int:
 
         print("moe ...", file=sys.stderr, flush=True)
         reference_moe.make(sys.modules[__name__], summary)
+    elif "hybrid_moe" in wanted:  # the MoE hybrids alone (reference_hybrid_moe.py), OUT / "moe"
+        import reference_hybrid_moe
+        import reference_moe
+
+        print("hybrid_moe ...", file=sys.stderr, flush=True)
+        reference_hybrid_moe.make(sys.modules[__name__], OUT / reference_moe.SUBDIR, summary,
+                                  reference_moe.reference)  # fmt: skip
+        reference_moe.write_readme(OUT / reference_moe.SUBDIR)
     rows = []
     for directory in sorted(p for p in OUT.iterdir() if (p / "reference.json").exists()):
         meta = json.loads((directory / "reference.json").read_text())

@@ -1,6 +1,7 @@
 """Reference fixtures for the MoE families (qwen3_moe, glm4_moe with its MTP layer): tiny random
 float32 checkpoints in three expert layouts and what transformers computes for them, under
-``tests/fixtures/reference/moe/``.
+``tests/fixtures/reference/moe/``; the MoE hybrids' cases (qwen3_5_moe, qwen3_next with MoE
+layers) are ``reference_hybrid_moe``'s, written beside them.
 
     .venv-ref/bin/python scripts/make_reference_checkpoints.py --only moe   # these cases only
 
@@ -39,6 +40,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import reference_hybrid_moe
 import torch
 
 SUBDIR = "moe"
@@ -74,6 +76,7 @@ EXERCISES = {
     "copies) in transformers 5's fused expert layout; config as transformers 5 writes it",
     "glm4_moe_mlx": "glm4_moe converted by mlx_lm.convert (float32): switch_mlp experts, the MTP "
     "layer dropped",
+    **reference_hybrid_moe.EXERCISES,
 }
 
 
@@ -428,6 +431,11 @@ def make(base, summary: list) -> None:
     out.mkdir(parents=True, exist_ok=True)
     make_family(base, out, "qwen3_moe", qwen_config(base), summary)
     make_family(base, out, "glm4_moe", glm_config(base), summary)
+    reference_hybrid_moe.make(base, out, summary, reference)
+    write_readme(out)
+
+
+def write_readme(out: Path) -> None:
     rows = [f"| `{c}` | {EXERCISES[c]} |" for c in EXERCISES]
     (out / "README.md").write_text(
         "# MoE reference checkpoints\n\nWritten by `scripts/reference_moe.py` (see its "

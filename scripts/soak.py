@@ -1,9 +1,10 @@
 """Soak one runner through its pipes for a bounded time, the way a hostile host would.
 
-    python scripts/soak.py [--minutes 10] [--model PATH] [--json PATH]
+    python scripts/soak.py [--minutes 10] [--fuzz-per-minute 1000] [--model PATH] [--json PATH]
 
 A mix of valid requests (greedy, seeded sampled, stop strings, logprobs, think budgets, long
-prompts, with and without speculation), fuzzed lines, random cancels, injected head faults
+prompts, with and without speculation), fuzzed lines (paced to ``--fuzz-per-minute``: 10,000
+in the default 10 minutes), random cancels, injected head faults
 (the hidden ``--head-fault-after``) and a small ``--cache-bytes``. Checked as it goes:
 
 - every completion gets exactly one ``done`` and nothing after it;
@@ -142,9 +143,16 @@ def fuzz_line(rng: random.Random) -> bytes:
     return b'{"type":"completion","id":"fz","prompt":"\xff\xfe"}'  # invalid UTF-8
 
 
+FUZZ_BATCH = (20, 500)  # fuzzed lines per batch: at least (when on pace), at most
+
+
 class Soak:
-    def __init__(self, runner: Runner, rng: random.Random) -> None:
+    def __init__(self, runner: Runner, rng: random.Random, fuzz_lines: int = 0,
+                 progress=lambda: 1.0) -> None:  # fmt: skip
         self.runner, self.rng = runner, rng
+        # Fuzzed lines are paced to reach ``fuzz_lines`` by the end (``progress``: the share
+        # of the run gone by), however many requests of the other kinds the run gets through.
+        self.fuzz_lines, self.progress = fuzz_lines, progress
         self.counts: Counter = Counter()
         self.failures: list[str] = []
         self.expected: dict[tuple, list[int]] = {}  # request key -> ids of its first run
@@ -261,8 +269,12 @@ class Soak:
             if error.get("code") != "unknown_id":
                 self.fail(f"{rid}: after done, the cancel got {error}")
 
-    def _fuzz(self) -> None:
-        lines = [fuzz_line(self.rng) for _ in range(self.rng.randrange(20, 80))]
+    def _fuzz(self, count: int | None = None) -> None:
+        if count is None:
+            behind = int(self.fuzz_lines * self.progress()) - self.counts["fuzzed_lines"]
+            count = min(max(behind, self.rng.randrange(FUZZ_BATCH[0], 4 * FUZZ_BATCH[0])),
+                        FUZZ_BATCH[1])  # fmt: skip
+        lines = [fuzz_line(self.rng) for _ in range(count)]
         for line in lines:
             self.runner.send(line)
         fence = self._id("fence")
@@ -288,6 +300,8 @@ def main() -> int:
     parser.add_argument("--cache-bytes", type=int, default=48 << 20)
     parser.add_argument("--head-fault-after", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fuzz-per-minute", type=int, default=1000,
+                        help="fuzzed lines to send per minute of the run, paced")  # fmt: skip
     parser.add_argument("--json", default=None, help="where to write the report")
     args = parser.parse_args()
 
@@ -297,9 +311,10 @@ def main() -> int:
            "--cache-bytes", str(args.cache_bytes),
            "--head-fault-after", str(args.head_fault_after)]  # fmt: skip
     runner = Runner(cmd, os.path.join(RESULTS_DIR, f"soak-{stamp}.stderr.log"))
-    soak = Soak(runner, random.Random(args.seed))
     started = time.monotonic()
     deadline = started + args.minutes * 60
+    soak = Soak(runner, random.Random(args.seed), int(args.fuzz_per_minute * args.minutes),
+                lambda: min(1.0, (time.monotonic() - started) / (deadline - started)))  # fmt: skip
     rss: list[tuple[float, int]] = [(0.0, runner.rss())]
     # Warm-up: every kind once (the longest prompt included, so the allocator has seen the
     # largest buffers), then the first fifth of the run; RSS growth is measured from there.
@@ -317,6 +332,8 @@ def main() -> int:
             last_sample = now
         if warm_rss is None and now >= warm_at:
             warm_rss = runner.rss()
+    while soak.counts["fuzzed_lines"] < soak.fuzz_lines:  # the last of the paced lines
+        soak._fuzz(min(soak.fuzz_lines - soak.counts["fuzzed_lines"], FUZZ_BATCH[1]))
     final_rss = runner.rss()
     rss.append((round(time.monotonic() - started, 1), final_rss))
     code = runner.close()

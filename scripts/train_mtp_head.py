@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Train an MTP draft head for any Llama-family model by self-distillation.
+"""Train an MTP draft head for a Llama-family model (dense, or with Qwen-style softmax-routed
+MoE MLPs: qwen3_moe) by self-distillation.
 
     python scripts/train_mtp_head.py TARGET --out DIR [--work-dir W] [--resume]
 
@@ -10,7 +11,8 @@
    the target stays frozen) learns to predict the target's own argmax for token t+2 from the
    hidden at t and token t+1, over a reduced vocabulary of the most frequent labels, as a
    causal sequence model over whole answers (its attention sees earlier pairs, exactly like
-   the draft KV cache at inference).
+   the draft KV cache at inference). For a MoE target the copied layer's MLP is dense,
+   started from the last layer's first routed expert (one row per draft, no routing).
 3. write: DIR/config.json + DIR/mtp.safetensors in the Qwen3-Next naming (float16).
 
 Prompts from the held-out templates are never trained on; they measure agreement.

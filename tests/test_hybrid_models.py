@@ -408,12 +408,17 @@ def test_layer_schedule_rope_and_caches():
 @pytest.mark.parametrize(
     ("case", "change", "key"),
     [
-        ("qwen3_next_dense", {"num_experts": 8}, "num_experts"),
+        ("qwen3_5_text", {"num_experts": 8}, "num_experts"),  # that is qwen3_5_moe
         (
-            "qwen3_next_dense",
-            {"num_experts": 8, "decoder_sparse_step": 2, "mlp_only_layers": [0, 2, 4]},
-            "num_experts",
-        ),  # fmt: skip
+            "qwen3_5_text",
+            {"model_type": "qwen3_5_moe_text", "num_experts": 8, "mlp_only_layers": [1]},
+            "mlp_only_layers",
+        ),  # its reference makes every layer sparse
+        (
+            "qwen3_5_text",
+            {"model_type": "qwen3_5_moe_text", "num_experts": 8, "norm_topk_prob": False},
+            "norm_topk_prob",
+        ),  # and always renormalises
         ("qwen3_next_dense", {"hidden_act": "gelu"}, "hidden_act"),
         ("qwen3_next_dense", {"attn_output_gate": False}, "attn_output_gate"),
         ("qwen3_next_dense", {"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
@@ -427,8 +432,15 @@ def test_refusals_name_the_key(case, change, key):
         build_model(cfg)
 
 
+def test_more_active_experts_than_experts_is_malformed():
+    cfg = {**config_of("qwen3_next_dense"), "num_experts": 8}  # top-k defaults to 10
+    with pytest.raises(CorruptModelFile, match="num_experts_per_tok"):
+        build_model(cfg)
+
+
 def test_dense_layers_of_a_moe_config_are_accepted():
-    cfg = {**config_of("qwen3_next_dense"), "num_experts": 8, "mlp_only_layers": list(range(6))}
+    cfg = {**config_of("qwen3_next_dense"), "num_experts": 8, "num_experts_per_tok": 2,
+           "mlp_only_layers": list(range(6))}  # fmt: skip
     assert kinds(build_model(cfg)) == ["linear", "linear", "full"] * 2
 
 

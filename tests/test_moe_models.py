@@ -345,15 +345,18 @@ def expert_block(case: str, layer: int, layout: str):
 def test_laid_out_experts_compute_what_the_loaded_ones_do(case, layer, layout):
     """Every row count a decode step, a verify or a prefill chunk feeds (the sorted path from
     SORT_MIN_PAIRS pairs on): the laid-out block within float32 rounding of the loaded one,
-    the loaded copies gone and each projection readable again, exactly."""
+    the loaded copies of what moved gone and each projection readable again, exactly."""
     loaded, laid = expert_block(case, layer, layout)
     switch = laid.switch_mlp
     for name in moe.PROJECTIONS:
         proj = getattr(switch, name)
-        assert "weight" not in proj.parameters()
+        moved = layout == "panels" or name == "down_proj"  # packed moves down only
+        assert ("weight" not in proj.parameters()) == moved, name
         assert mx.array_equal(proj.dense(), getattr(loaded.switch_mlp, name).weight)
-    private = {k for k in switch if k.startswith("_")}
-    assert private == ({"_gate_up_p"} if layout == "panels" else {"_gate_up"})
+    if layout == "panels":
+        assert {k for k in switch if k.startswith("_")} == {"_gate_up_p"}
+    else:
+        assert "_wt" in switch.down_proj and "weight" in switch.gate_proj
     for rows in (1, 2, 3, 4, 5, 40):
         x = mx.random.normal((1, rows, 64), key=mx.random.key(rows))
         assert np.abs(np.array(laid(x)) - np.array(loaded(x))).max() <= 1e-5, rows
@@ -422,18 +425,17 @@ def test_a_block_in_panels_is_batch_invariant(scoring, compiled):
 def test_tune_lays_out_the_experts_of_target_and_head():
     """The GLM target and its inline MTP layer (a MoE block too) follow the weight layout;
     "hf" and expert_layout="hf" keep them as loaded."""
-    want = "_gate_up_p" if native.gathered_available() else "_gate_up"
-    for tune, key in (({}, want), ({"layout": "packed"}, "_gate_up"), ({"layout": "hf"}, None),
+    want = "_panels" if native.gathered_available() else "_wt"
+    for tune, key in (({}, want), ({"layout": "packed"}, "_wt"), ({"layout": "hf"}, None),
                       ({"expert_layout": "hf"}, None)):  # fmt: skip
         loaded = load("glm4_moe")
         head, _ = load_draft_head(loaded)
         device.tune(loaded.model, head, **tune)
         for switch in (loaded.model.layers[1].mlp.switch_mlp, head.layers[0].mlp.switch_mlp):
             if key is None:
-                assert not any(k.startswith("_") for k in switch), tune
-                assert "weight" in switch.down_proj.parameters()
+                assert "weight" in switch.down_proj.parameters(), tune
             else:
-                assert key in switch, tune
+                assert key in switch.down_proj and "weight" not in switch.down_proj, tune
 
 
 def test_quantized_experts_keep_their_layout():
@@ -471,12 +473,9 @@ def test_speculation_with_the_glm_mtp_layer_is_lossless(glm_plain, depth):
     assert drafted > 0
 
 
-def test_scripted_drafts_on_a_moe_target_accept_and_reject(glm_plain, monkeypatch):
-    """The random MTP layer is rarely right: drafts from the plain answer, each wrong with some
-    probability, make rounds accept and reject at every depth through the MoE verify rows."""
-    spec = Engine(EngineOptions(model_path=str(FIXTURES / "glm4_moe"), draft_depth=5))
-    script: list[int] = []
-    rng = random.Random(5)
+def scripted_propose(script: list[int], rng: random.Random, right: float = 0.8):
+    """A ``DraftSession.propose`` whose drafts are ``script``'s tokens (the true continuation,
+    filled in by the test), each replaced by a wrong one with probability ``1 - right``."""
     original = DraftSession.propose
 
     def scripted(self, current, k, *args, **kwargs):
@@ -486,40 +485,61 @@ def test_scripted_drafts_on_a_moe_target_accept_and_reject(glm_plain, monkeypatc
         drafts = []
         for i in range(k):
             pos = self.frontier + 1 + i
-            right = script[pos] if pos < len(script) else 5
-            drafts.append(right if rng.random() < 0.8 else (right + 1) % 320)
+            token = script[pos] if pos < len(script) else 5
+            drafts.append(token if rng.random() < right else (token + 1) % 320)
         return dataclasses.replace(proposal, tokens=mx.array(drafts, dtype=mx.int32))
 
-    monkeypatch.setattr(DraftSession, "propose", scripted)
-    per_depth = [0] * 6
-    for prompt in ref("glm4_moe").prompts:
-        want, _ = run(glm_plain, prompt, 40)
+    return scripted
+
+
+def test_scripted_drafts_on_a_moe_target_accept_and_reject(glm_plain, monkeypatch):
+    """The random MTP layer is rarely right: drafts from the plain answer, each wrong with some
+    probability, make rounds accept and reject at every depth through the MoE verify rows."""
+    spec = Engine(EngineOptions(model_path=str(FIXTURES / "glm4_moe"), draft_depth=5))
+    per_depth = scripted_rounds(glm_plain, spec, ref("glm4_moe").prompts, 5, monkeypatch)
+    assert all(count > 0 for count in per_depth[:5]), per_depth
+
+
+def scripted_rounds(plain: Engine, spec: Engine, prompts, seed: int, monkeypatch) -> list[int]:
+    """40 tokens per prompt with ``scripted_propose`` drafts: speculative output equals plain
+    output; returns the accepted drafts per depth, summed."""
+    script: list[int] = []
+    monkeypatch.setattr(DraftSession, "propose", scripted_propose(script, random.Random(seed)))
+    per_depth = [0] * 8
+    for prompt in prompts:
+        want, _ = run(plain, prompt, 40)
         script[:] = prompt + want
         got, done = run(spec, prompt, 40)
         assert got == want
         for depth, count in enumerate(done.speculation.accepted_per_depth):
             per_depth[depth] += count
-    assert all(count > 0 for count in per_depth[:5]), per_depth
+    return per_depth
 
 
-@pytest.mark.parametrize(("case", "draft"), [("qwen3_moe", False), ("glm4_moe", True)])
-def test_prefix_cache_gives_the_same_tokens_on_a_three_turn_chat(case, draft):
-    path = str(FIXTURES / case)
+def three_turn_chat(path: str, prompt: list[int], draft: bool, seed: int) -> None:
+    """Each turn repeats the conversation so far plus a few new tokens: with the prefix cache
+    the tokens are those of a cache-less engine, and each turn restores at least the previous
+    turn's end."""
     cached = Engine(EngineOptions(model_path=path, use_draft=draft, draft_depth=2))
     fresh = Engine(
         EngineOptions(model_path=path, use_draft=draft, draft_depth=2, prefix_cache=False)
     )
     eos = next(iter(cached.tokenizer.eos_ids))
-    rng = random.Random(11)
-    prompt, previous = ref(case).prompts[0], 0
+    rng = random.Random(seed)
+    previous = 0
     for turn in range(3):
         got, done = run(cached, prompt, 10)
         want, _ = run(fresh, prompt, 10)
-        assert got == want, (case, turn)
+        assert got == want, (path, turn)
         if turn:
-            assert done.prompt_cached_tokens >= previous, (turn, done.prompt_cached_tokens)
+            assert done.prompt_cached_tokens >= previous > 0, (turn, done.prompt_cached_tokens)
         previous = len(prompt) + len(got) - 1
         prompt = prompt + got + [eos] + [rng.randrange(5, 320) for _ in range(6)]
+
+
+@pytest.mark.parametrize(("case", "draft"), [("qwen3_moe", False), ("glm4_moe", True)])
+def test_prefix_cache_gives_the_same_tokens_on_a_three_turn_chat(case, draft):
+    three_turn_chat(str(FIXTURES / case), ref(case).prompts[0], draft, seed=11)
 
 
 # --- configs and checkpoints the families refuse

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from runner import decoder
-from runner.decoder import Cancelled, prefill, prefill_ends
+from runner.decoder import Cancelled, chunk_ends, prefill
 from runner.loader import load_model
 from runner.models import attention
 from runner.models.llama import causal_mask, window_mask
@@ -233,23 +233,42 @@ def flips_after(n: int):
     return cancelled, calls
 
 
-def test_a_cancel_between_layers_keeps_exactly_the_whole_chunks(four_layers):
-    """Long chunks are polled before the chunk and after each of its layers; a cancel at any
-    poll leaves every cache at the end of the last whole chunk, the hook saw exactly those
-    chunks, and resuming from there gives what one uninterrupted prefill gives."""
+def chunk_polls(model, tokens, chunk) -> list[int]:
+    """How many times an uncancelled prefill polls up to the end of each chunk."""
+    calls = {"n": 0}
+    marks: list[int] = []
+
+    def cancelled() -> bool:
+        calls["n"] += 1
+        return False
+
+    prefill(model, model.make_caches(), tokens, 0, chunk=chunk, cancelled=cancelled,
+            on_commit=lambda ids, hidden, pos: marks.append(calls["n"]))  # fmt: skip
+    return marks
+
+
+@pytest.mark.parametrize("blocks", [1, 5], ids=["one-block", "five-blocks"])
+def test_a_cancel_inside_a_chunk_keeps_exactly_the_whole_chunks(four_layers, monkeypatch, blocks):
+    """Long chunks are polled before the chunk, after each layer and between the query blocks
+    of each layer's attention; a cancel at any poll leaves every cache at the end of the last
+    whole chunk, the hook saw exactly those chunks, and resuming from there gives what one
+    uninterrupted prefill gives."""
     model, layers, chunk = four_layers, len(four_layers.layers), 80
+    monkeypatch.setattr(attention, "BLOCK_ROWS", -(-chunk // blocks))
     tokens = prompt(310, seed=2)
-    ends = prefill_ends(0, len(tokens), chunk)
+    ends = chunk_ends(0, len(tokens), chunk)
     want, _ = hidden_rows(model, tokens, chunk)
-    polls_per_chunk = 1 + layers  # chunk >= POLL_ROWS, the last one (70 rows) too
     assert chunk >= decoder.POLL_ROWS and len(tokens) - ends[-2] >= decoder.POLL_ROWS
-    for n in range(len(ends) * polls_per_chunk):
+    marks = chunk_polls(model, tokens, chunk)
+    # one poll ahead of the chunk, then per layer one between each two blocks and one after
+    assert marks[0] == 1 + layers * blocks
+    for n in range(marks[-1]):
         caches = model.make_caches()
         cancelled, calls = flips_after(n)
         seen = Recorder()
         with pytest.raises(Cancelled) as raised:
             prefill(model, caches, tokens, 0, chunk=chunk, cancelled=cancelled, on_commit=seen)
-        kept = ([0] + ends)[n // polls_per_chunk]
+        kept = ([0] + ends)[sum(n >= m for m in marks)]  # the chunk that poll n + 1 was in
         assert calls["n"] == n + 1  # it stopped at the first poll that saw the cancel
         assert raised.value.args == (kept,)
         assert [c.offset for c in caches] == [kept] * layers
@@ -260,19 +279,6 @@ def test_a_cancel_between_layers_keeps_exactly_the_whole_chunks(four_layers):
         rows: list[np.ndarray] = [np.array(want[:kept])]
         prefill(model, caches, tokens[kept:], kept, chunk=chunk, on_commit=collect(rows))
         np.testing.assert_allclose(np.concatenate(rows), want, atol=1e-5, rtol=0)
-
-
-def test_long_prompts_shrink_their_chunks_as_the_context_grows():
-    ends = prefill_ends(0, 8000, 512)
-    sizes = [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]
-    assert ends[-1] == 8000 and all(0 < n <= 512 for n in sizes)
-    assert sizes[:4] == [512] * 4 and sizes[4] == 256 and max(sizes[12:]) == 128
-    starts = [0, *ends[:-1]]
-    for n, start in zip(sizes, starts, strict=True):  # bounded work, or the floor
-        assert n * (start + n) <= decoder.LAYER_WORK or n == decoder.SHRINK_FLOOR or n == sizes[-1]
-    assert prefill_ends(0, 60, 8) == list(range(8, 60, 8)) + [60]  # short chunks as asked
-    assert prefill_ends(0, 8000, 8192) == [8000]  # one forward when the prompt fits one chunk
-    assert prefill_ends(300, 1000, 512) == [812, 1000]
 
 
 def test_short_chunks_poll_once_per_chunk(four_layers):
@@ -335,7 +341,7 @@ def test_models_without_a_layer_hook_are_polled_between_chunks(four_layers):
 
 def test_sliding_window_caches_rewind_a_cancelled_chunk(small_tiles, monkeypatch):
     """Rotating caches (a sliding-window model, small buffer steps so the window re-lays its
-    buffer inside the chunk) rewound after a cancel between layers, then resumed."""
+    buffer inside the chunk) rewound after a cancel inside a chunk, then resumed."""
     from pathlib import Path
 
     from cache.kv import RotatingKVCache
@@ -345,7 +351,9 @@ def test_sliding_window_caches_rewind_a_cancelled_chunk(small_tiles, monkeypatch
     model = load_model(str(fixture), dtype="float32").model
     tokens = prompt(230, seed=11, vocab=300)
     want, _ = hidden_rows(model, tokens, 70)
-    cancelled, _ = flips_after(2 * (1 + len(model.layers)) + 2)  # chunk 3, after layer 1
+    marks = chunk_polls(model, tokens, 70)
+    assert marks[1] - marks[0] > 1 + len(model.layers)  # polls between query blocks too
+    cancelled, _ = flips_after((marks[1] + marks[2]) // 2)  # mid-way through chunk 3
     caches = model.make_caches()
     assert any(isinstance(c, RotatingKVCache) for c in caches)
     with pytest.raises(Cancelled) as raised:
@@ -421,3 +429,31 @@ def test_prefill_probes_one_layer_the_other_way(four_layers, monkeypatch):
     monkeypatch.setattr(decoder.mx, "eval", eval_)
     prefill(four_layers, four_layers.make_caches(), prompt(128, seed=1), 0, chunk=128)
     assert widths == [True, False, True, True, False]  # 4 layers (1 probed), then the norm
+
+
+def test_fast_silu_matches_nn_silu_on_long_feeds_and_is_unused_on_short_ones():
+    """Prefill chunks' SiLU (``runner.models.activations``) agrees with ``nn.silu`` to float32
+    rounding over the whole range (below about -88 both are under 1e-30); decode and verify
+    rows (fewer than ``MIN_ROWS``) get ``nn.silu`` itself, bit for bit."""
+    import mlx.nn as nn
+
+    from runner.models import activations
+
+    rows = activations.MIN_ROWS
+    x = mx.concatenate(
+        [mx.linspace(-120, 120, rows * 64).reshape(rows, 64), 4 * mx.random.normal((rows, 64))]
+    )
+    up = mx.random.normal(x.shape)
+    want = np.array(nn.silu(x), dtype=np.float64)
+    got = np.array(activations.silu(x), dtype=np.float64)
+    assert activations.serves(x)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
+    np.testing.assert_allclose(
+        np.array(activations.silu_mul(x, up)), np.array(nn.silu(x) * up), rtol=2e-6, atol=1e-6
+    )
+    short = x[: rows - 1]
+    assert not activations.serves(short)
+    assert mx.array_equal(
+        activations.silu_mul(short, up[: rows - 1]), nn.silu(short) * up[: rows - 1]
+    )
+    assert not activations.serves(x.astype(mx.bfloat16))

@@ -431,3 +431,65 @@ def test_pairs_are_labelled_with_the_targets_choice_two_tokens_ahead():
     assert ex.next_hiddens[:, 0].tolist() == [2, 4, 6, 8]
     assert ex.labels.tolist() == [-1, 0, 1, -1]  # 99 lies outside the draft vocabulary
     assert ex.first_loss == 2
+
+
+# -- a mixture-of-experts target --------------------------------------------------------------
+
+MOE_TARGET = os.path.join(ROOT, "tests", "fixtures", "reference", "moe", "qwen3_moe")
+
+
+def test_numpy_forward_of_a_moe_target_matches_the_mlx_model():
+    """qwen3_moe (sparse and dense layers, softmax top-k): the NumPy target the generator runs
+    computes the MLX model's hiddens, prefill and cached steps alike."""
+    loaded = load_model(MOE_TARGET)
+    tokens = np.array([[5, 17, 101, 33, 7, 250, 12, 9, 64, 3, 8, 200]])
+    ref = np.array(loaded.model.hidden(mx.array(tokens), loaded.model.make_caches()))
+    target = NumpyLlama(loaded.model)
+    assert "moe" in target.layers[0] and "moe" not in target.layers[1]
+    cache = target.new_cache(1, 32)
+    got = target.hidden(tokens[:, :8], cache, 0, generate.prefill_mask(np.array([0]), 8))
+    assert np.abs(got - ref[:, :8]).max() < 1e-4
+    for t in range(8, 12):
+        step = target.hidden(
+            tokens[:, t : t + 1], cache, t, generate.step_mask(np.array([0]), t + 1)
+        )
+        assert np.abs(step[:, 0] - ref[:, t]).max() < 1e-4
+
+
+def test_a_head_trained_for_a_moe_target_loads_and_drafts_losslessly(tmp_path):
+    """The whole script on qwen3_moe: a dense head started from the last layer (its MLP from
+    the first expert) learns, loads through the runner's head loader and drafts; speculative
+    greedy output equals plain greedy output."""
+    from protocol.requests import Completion, Options
+    from runner.engine import Engine, EngineOptions
+
+    prompt_dir = write_prompt_set(tmp_path / "prompts")
+    out = str(tmp_path / "head")
+    run_script(*trainer_args(MOE_TARGET, prompt_dir, str(tmp_path / "work"), out,
+                             "--steps", "24"))  # fmt: skip
+    with open(os.path.join(out, "config.json")) as f:
+        rec = json.load(f)["training"]
+    assert rec["final_loss"] < 0.7 * rec["first_loss"], rec
+    loaded = load_model(MOE_TARGET)
+    head, _ = load_draft_head(loaded, out)
+    assert type(head.layers[0].mlp).__name__ == "MLP"
+    assert head.layers[0].mlp.gate_proj.weight.shape[0] == 16  # the experts' width
+
+    def greedy(engine: Engine, tokens: list[int]):
+        frames: list = []
+        options = Options(num_predict=30, temperature=0, repeat_penalty=1.0)
+        engine.run(engine.prepare(Completion(id="r", tokens=tokens, options=options)),
+                   frames.append, lambda: False)  # fmt: skip
+        ids = [t for f in frames if type(f).__name__ == "Token" for t in f.tokens]
+        return ids, frames[-1]
+
+    plain = Engine(EngineOptions(model_path=MOE_TARGET, use_draft=False))
+    spec = Engine(EngineOptions(model_path=MOE_TARGET, draft_path=out, draft_depth=2))
+    accepted = 0
+    for text in ("hello fox", "the capital of Italy"):
+        tokens = loaded.tokenizer.encode(prompts.render(CHAT, text))
+        want, _ = greedy(plain, tokens)
+        got, done = greedy(spec, tokens)
+        assert got == want
+        accepted += done.speculation.accepted
+    assert accepted > 0

@@ -1,6 +1,7 @@
 """Model families by ``model_type``: llama (llama, mistral, qwen2, qwen3 and the smollm
 aliases), gemma (gemma2, gemma3_text), phi3 and the hybrids in qwen3_5 (qwen3_5,
-qwen3_5_text, dense qwen3_next), the MoE families qwen3_moe and glm4_moe (runner.models.moe).
+qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next, dense or MoE), the MoE families
+qwen3_moe and glm4_moe (runner.models.moe).
 
 Every family module has ``FAMILIES``, ``model_args(config, path) -> ModelArgs``, ``Model``
 (the llama family's interface: ``forward``, ``hidden``, ``unembed``, ``embed``,

@@ -35,8 +35,11 @@ many rows; decode steps and verify rows keep the five-op composition (``serves``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
@@ -44,8 +47,8 @@ LOG2E = math.log2(math.e)
 BLOCK_ROWS = 128  # query rows per block, per head
 KEY_TILE = 512  # key positions per score tile
 GRAIN = 128  # a block's last tile ends at its last row rounded up to this (tile widths)
-# Feeds of more rows than this take the blocked kernel (decode and verify rows never do: the
-# compiled blocks serve up to 16 rows, and 2-9 row verifies keep the five-op composition).
+# Feeds of at least this many rows take the blocked kernel; decode steps, verify rows and the
+# compiled blocks' feeds (up to 16 rows) keep the five-op composition.
 MIN_ROWS = 32
 
 _ROUND = 12582912.0  # 1.5 * 2**23: (x + _ROUND) - _ROUND rounds a float32 to an integer
@@ -64,6 +67,24 @@ _P = (
 MASKED = -(2.0**30)
 
 
+# Called with each query block's (lazy) output but the last while a prefill evaluates its
+# chunks piecewise (``runner.decoder``): it evaluates the block and may raise to cancel, so a
+# cancel need not wait for the rest of a layer's attention, which grows with the context.
+_BETWEEN_BLOCKS: contextvars.ContextVar[Callable[[mx.array], None] | None] = contextvars.ContextVar(
+    "between_blocks", default=None
+)
+
+
+@contextlib.contextmanager
+def between_blocks(hook: Callable[[mx.array], None]) -> Iterator[None]:
+    """Call ``hook`` with every query block's output but each call's last, for the block."""
+    token = _BETWEEN_BLOCKS.set(hook)
+    try:
+        yield
+    finally:
+        _BETWEEN_BLOCKS.reset(token)
+
+
 def serves(rows: int, dtype: mx.Dtype, mask: mx.array | str | None) -> bool:
     """Whether ``blocked_attention`` serves a feed of ``rows`` query rows: float32 on the CPU,
     at least ``MIN_ROWS`` rows, and a mask it takes (None, "causal" or a 2-D array)."""
@@ -72,14 +93,14 @@ def serves(rows: int, dtype: mx.Dtype, mask: mx.array | str | None) -> bool:
     return mask is None or isinstance(mask, str) or mask.ndim == 2
 
 
-def _exponent_bits(d: mx.array) -> mx.array:
+def exponent_bits(d: mx.array) -> mx.array:
     """The float32 bits of ``2**round(d)`` for ``d <= 0`` (int32): 0 (the float 0.0) from
     -127 down, the integer clamp keeping the loop free of the float ``maximum``'s branch."""
     r = (d + _ROUND) - _ROUND
     return mx.left_shift(mx.maximum(r.astype(mx.int32) + 127, 0), 23)
 
 
-def _scaled_polynomial(d: mx.array, scale: mx.array) -> mx.array:
+def scaled_polynomial(d: mx.array, scale: mx.array) -> mx.array:
     """``p(d - round(d)) * scale``, Estrin's scheme (the JIT fuses ops up to a depth of 11)."""
     f = d - ((d + _ROUND) - _ROUND)
     f2 = f * f
@@ -88,11 +109,11 @@ def _scaled_polynomial(d: mx.array, scale: mx.array) -> mx.array:
     return (low + (f2 * f2) * high) * scale
 
 
-# Traced per input shape; the fixed tiles give a handful of shapes (the grain's widths times
-# a full and a partial block), so the trace cache stays small. Shapeless tracing keeps
-# explicit broadcasts that split the fused loops into more passes.
-_bits_kernel = mx.compile(_exponent_bits)
-_poly_kernel = mx.compile(_scaled_polynomial)
+# Traced per input shape: tile widths (KEY_TILE / GRAIN of them) times block sizes (full, and
+# the partial last block of a feed), a bounded set. Shapeless tracing keeps explicit
+# broadcasts that split the fused loops into more passes.
+_bits_kernel = mx.compile(exponent_bits)
+_poly_kernel = mx.compile(scaled_polynomial)
 
 
 def exp2_nonpositive(d: mx.array) -> mx.array:
@@ -160,7 +181,7 @@ def blocked_attention(
             filler = mx.full((length, padded - keys), MASKED, dtype=q.dtype)
             extra = mx.concatenate([extra, filler], axis=1)
         extra = extra.T  # keys by rows, as the score tiles
-    blocks = []
+    blocks, hook = [], _BETWEEN_BLOCKS.get()
     for start in range(0, length, BLOCK_ROWS):
         rows = min(BLOCK_ROWS, length - start)
         qb = q[:, :, :, start : start + rows].reshape(batch, groups, per_group * rows, dim)
@@ -199,5 +220,7 @@ def blocked_attention(
             den = part if den is None else den + part
         out = (acc / den).transpose(0, 1, 3, 2)
         blocks.append(out.reshape(batch, groups, per_group, rows, dim))
+        if hook is not None and start + rows < length:
+            hook(blocks[-1])
     out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=3)
     return out.reshape(batch, heads, length, dim)

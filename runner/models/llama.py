@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cache.kv import KVCache, RotatingKVCache
+from runner.models.activations import silu_mul
 from runner.models.attention import blocked_attention
 from runner.models.attention import serves as serves_blocked
 from runner.models.config import read_llama_family, text_config
@@ -214,7 +215,7 @@ class MLP(nn.Module):
             gate, up = mx.split(fused_product(self, "_gate_up_t", x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):

@@ -1,5 +1,5 @@
-"""The sparse mixture-of-experts MLP shared by the MoE families (``qwen3_moe``, ``glm4_moe``;
-built to be reused by the Qwen3-Next / Qwen3.5-MoE hybrids).
+"""The sparse mixture-of-experts MLP shared by the MoE families (``qwen3_moe``, ``glm4_moe``
+and the MoE layers of the Qwen3.5-MoE / Qwen3-Next hybrids in ``runner.models.qwen3_5``).
 
 **Routing** (transformers 5.24's ``Qwen3MoeTopKRouter`` and ``Glm4MoeTopkRouter``):
 
@@ -29,8 +29,8 @@ a verify row that shares an expert with another reads it again, and the down pro
   the (row, expert) pairs by expert and reads each selected expert once for all the rows that
   chose it (a verify feed pays for the union of its rows' experts, not for every pair), each
   pair bit for bit its one-row product (verify rows match plain decoding);
-- ``packed`` (no native build): gate and up fused into one stacked product, down stored
-  ``[E, I, D]`` so the BLAS reads it along rows of length D.
+- ``packed`` (no native build): down stored ``[E, I, D]`` so the BLAS reads it along rows of
+  length D (gate and up stay as loaded: their rows are D long already).
 
 With ``gather_mm`` (as loaded, packed, or on a GPU) feeds of many (row, expert) pairs
 (prefill chunks) are sorted by expert first, so each expert's rows are adjacent and MLX's
@@ -163,7 +163,8 @@ def read_qwen_moe(
         raise cfgs.malformed(
             prefix + "num_experts_per_tok", f"{top_k} > num_experts {experts}", path
         )
-    shared_width = read_field(cfg, "shared_expert_intermediate_size", 0, int, prefix, path,
+    shared_width = read_field(cfg, "shared_expert_intermediate_size",
+                              d.get("shared_expert_intermediate_size", 0), int, prefix, path,
                               minimum=0)  # fmt: skip
     if shared_width and not shared:
         raise cfgs.refuse(
@@ -239,9 +240,9 @@ class SwitchLinear(nn.Module):
     """``E`` stacked ``[out, in]`` matrices; a call multiplies each row by its experts' only.
 
     Stored as loaded (``weight``) until device tuning (:func:`lay_out_experts`) moves it to a
-    private array: ``_w`` (an ``[E, out, in]`` view of its block's fused gate/up matrix),
-    ``_wt`` (``[E, in, out]`` contiguous) or ``_panels`` (``runner.native.expert_panels``, a
-    view when fused); :meth:`dense` reads any of them back."""
+    private array: ``_wt`` (``[E, in, out]`` contiguous) or ``_panels``
+    (``runner.native.expert_panels``, a view of its block's fused gate/up panels for those
+    two); :meth:`dense` reads either back."""
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int) -> None:
         super().__init__()
@@ -253,16 +254,12 @@ class SwitchLinear(nn.Module):
 
     def operand(self) -> mx.array:
         """The ``[E, in, out]`` right operand of ``gather_mm`` (a transposed view or ``_wt``)."""
-        if "_wt" in self:
-            return self._wt
-        return (self["_w"] if "_w" in self else self.weight).swapaxes(-1, -2)
+        return self._wt if "_wt" in self else self.weight.swapaxes(-1, -2)
 
     def dense(self) -> mx.array:
         """The ``[E, out, in]`` experts, whatever the layout."""
         if "weight" in self:
             return self.weight
-        if "_w" in self:
-            return self._w
         if "_wt" in self:
             return self._wt.swapaxes(-1, -2)
         p = self._panels  # [E, NB, in, P] -> [E, NB * P, in], cut to out
@@ -310,10 +307,10 @@ class SwitchGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` per selected expert.
 
     Three layouts (:func:`lay_out_experts`): as loaded, one ``gather_mm`` per projection;
-    ``packed``, gate and up fused into one stacked ``[E, 2I, D]`` product (``_gate_up``) and
-    down stored ``[E, I, D]``; ``panels``, ``runner.native``'s gathered product over each
-    expert's column panels (gate and up fused as ``_gate_up_p`` when ``I`` is a whole number
-    of panels), which needs no sort at any size (it groups the pairs by expert itself)."""
+    ``packed``, the same with down stored ``[E, I, D]``; ``panels``, ``runner.native``'s
+    gathered product over each expert's column panels (gate and up fused as ``_gate_up_p``,
+    one product for both, when ``I`` is a whole number of panels), which needs no sort at any
+    size (it groups the pairs by expert itself)."""
 
     def __init__(self, dims: int, hidden: int, num_experts: int) -> None:
         super().__init__()
@@ -322,13 +319,7 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(hidden, dims, num_experts)
 
     def _glu(self, x: mx.array, experts: mx.array, ordered: bool) -> mx.array:
-        if "_gate_up" in self:
-            fused = mx.gather_mm(
-                x, self._gate_up.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=ordered
-            )
-            gate, up = mx.split(fused, 2, axis=-1)
-        else:
-            gate, up = self.gate_proj(x, experts, ordered), self.up_proj(x, experts, ordered)
+        gate, up = self.gate_proj(x, experts, ordered), self.up_proj(x, experts, ordered)
         return self.down_proj(nn.silu(gate) * up, experts, ordered)
 
     def _panels(self, x: mx.array, experts: mx.array) -> mx.array:
@@ -367,14 +358,14 @@ class SwitchGLU(nn.Module):
         hidden = gate.shape[1]
         fresh: list[mx.array] = []
         if layout == "packed":
-            # gate/up keep the [out, in] orientation (gather_mm's transposed operand then reads
-            # rows of length D); down goes [in, out] (its [out, in] rows are only I long, and
-            # a one-row product over short rows runs well below the memory's rate).
-            self._gate_up = mx.concatenate([gate, up], axis=1)
-            self.gate_proj._w = self._gate_up[:, :hidden]
-            self.up_proj._w = self._gate_up[:, hidden:]
+            # gather_mm runs a BLAS product per (row, expert) pair over the [out, in] matrix
+            # (the transposed operand): for gate and up its rows are D long and that is the
+            # faster order, and fusing the two into one [2I, D] product is no faster there;
+            # down's rows are only I long, and a one-row product over short rows runs well
+            # below the memory's rate, so down goes [in, out] (rows of length D).
             self.down_proj._wt = mx.contiguous(down.swapaxes(-1, -2))
-            fresh = [self._gate_up, self.down_proj._wt]
+            fresh = [self.down_proj._wt]
+            parts = (self.down_proj,)
         elif layout == "panels":
             if hidden % native.PANEL == 0:
                 self._gate_up_p = native.expert_panels(mx.concatenate([gate, up], axis=1))

@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 import runner.models.config as cfgs
 from protocol.errors import UnsupportedArchitecture
+from runner.models.activations import silu_mul
 from runner.models.layers import fused_to_panels
 from runner.models.llama import MLP, Attention, DecoderLayer, Linear, LlamaModel, ModelArgs
 from runner.models.llama import Model as LlamaCausalLM
@@ -139,7 +140,7 @@ class Phi3MLP(MLP):
         if "_gate_up_t" in self:
             return super().__call__(x)
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 def _adopt(owner: nn.Module, key: str, linear: nn.Module) -> bool:

@@ -1,5 +1,6 @@
-"""Qwen3.5 (``qwen3_5``, ``qwen3_5_text``) and dense Qwen3-Next (``qwen3_next``): hybrids of
-Gated DeltaNet and gated full attention, on the llama family's pieces.
+"""Qwen3.5 (``qwen3_5``, ``qwen3_5_text``), Qwen3.5-MoE (``qwen3_5_moe``, ``qwen3_5_moe_text``)
+and Qwen3-Next (``qwen3_next``): hybrids of Gated DeltaNet and gated full attention, on the
+llama family's pieces, with dense MLPs or ``runner.models.moe.SparseMoE`` blocks.
 
 What differs from ``runner.models.llama`` (transformers 5.24's ``modeling_qwen3_next`` /
 ``modeling_qwen3_5``):
@@ -17,7 +18,12 @@ What differs from ``runner.models.llama`` (transformers 5.24's ``modeling_qwen3_
   the gated delta rule (``runner.models.gated_delta``) on a float32 state, then
   ``out_proj(rmsnorm(y) * silu(z))``; each keeps a ``cache.recurrent.RecurrentCache``;
 - RMSNorm gains of the layer, final and q/k norms are zero-centred (``1 + w``); the gated
-  norm's gain is plain.
+  norm's gain is plain;
+- the MLP (:func:`read_moe`): Qwen3.5 is dense; Qwen3.5-MoE makes every layer a sparse MoE
+  block (softmax top-k, always renormalised, and a shared expert gated by
+  ``sigmoid(shared_expert_gate(x))``); Qwen3-Next the same block on the layers that
+  ``mlp_only_layers`` / ``decoder_sparse_step`` make sparse (``norm_topk_prob`` as
+  configured), a dense MLP on the others.
 
 **Weights** (:func:`prepare_weights`, run by the loader before the checks). Every source ends
 in one layout: the gains of the zero-centred norms stored shifted (``1 + w``, so the blocks use
@@ -25,15 +31,17 @@ plain ``nn.RMSNorm``), the conv weight in MLX's ``[C, K, 1]``, Qwen3-Next's fuse
 regrouped as ``[q | k | v | z]`` and ``[b | a]``. A Hugging Face checkpoint (conv ``[C, 1,
 K]``) is converted, norms shifted once; a checkpoint whose conv weight is already ``[C, K, 1]``
 was converted by mlx-lm, which shifts the norms when it moves the conv (its ``sanitize``), so
-its norms are left alone. Names: ``model.`` (text-only saves), ``model.language_model.``
-(``Qwen3_5ForConditionalGeneration``), ``language_model.model.`` (mlx-lm); the vision tower
-(``model.visual.*``) is dropped with a log line; an MTP head (``mtp.*``) stays for
-``runner.heads`` among the loader's extra weights; its block is :func:`head_layer`'s.
+its norms are left alone. Routed experts, in any of ``runner.models.moe``'s layouts, end
+stacked as ``switch_mlp`` (an inline MTP layer's too). Names: ``model.`` (text-only saves),
+``model.language_model.`` (``Qwen3_5ForConditionalGeneration``), ``language_model.model.``
+(mlx-lm); the vision tower (``model.visual.*``) is dropped with a log line; an MTP head
+(``mtp.*``) stays for ``runner.heads`` among the loader's extra weights; its block is
+:func:`head_layer`'s.
 
-Refused by name: a MoE MLP on any layer (Qwen3-Next's ``num_experts`` > 0 where
-``mlp_only_layers`` / ``decoder_sparse_step`` make a layer sparse), ``attn_output_gate`` false,
-activations other than SiLU, layer types other than the two above, a conv narrower than 2,
-and the llama family's foreign keys.
+Refused by name: experts in a dense Qwen3.5 config (that is ``qwen3_5_moe``), schedule or
+routing keys a Qwen3.5-MoE config sets against what its reference always does,
+``attn_output_gate`` false, activations other than SiLU, layer types other than the two
+above, a conv narrower than 2, and the llama family's foreign keys.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import mlx.nn as nn
 import runner.models.config as cfgs
 from cache.recurrent import RecurrentCache
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture
+from runner.models.activations import silu
 from runner.models.gated_delta import decay_and_beta, gated_delta, normalize_qk
 from runner.models.layers import fused_product
 from runner.models.llama import (
@@ -59,11 +68,13 @@ from runner.models.llama import (
     ModelArgs,
 )
 from runner.models.llama import Model as LlamaCausalLM
+from runner.models.moe import MoESettings, SparseMoE, read_qwen_moe, stack_experts
 from runner.models.rope import RoPE, RopeTables
 
 log = logging.getLogger("mtp_runner.models")
 
-FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+MOE_FAMILIES = ("qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 # transformers 5.24's config-class defaults for keys a config.json may omit.
 _COMMON = {
@@ -74,10 +85,18 @@ _COMMON = {
     "partial_rotary_factor": 0.25,
 }  # fmt: skip
 _DEFAULTS = {
-    "qwen3_next": {**_COMMON, "num_key_value_heads": 2, "num_experts": 512,
-                   "decoder_sparse_step": 1},
-    "qwen3_5_text": {**_COMMON, "num_key_value_heads": 4, "num_experts": 0,
-                     "decoder_sparse_step": 1},
+    "qwen3_next": {**_COMMON, "num_key_value_heads": 2},
+    "qwen3_5_text": {**_COMMON, "num_key_value_heads": 4},
+    "qwen3_5_moe_text": {**_COMMON, "num_key_value_heads": 2},
+}  # fmt: skip
+# Their MoE keys' defaults (read_qwen_moe's names).
+_MOE_DEFAULTS = {
+    "qwen3_next": {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                   "norm_topk_prob": True, "decoder_sparse_step": 1,
+                   "shared_expert_intermediate_size": 512},
+    "qwen3_5_moe_text": {"num_experts": 256, "num_experts_per_tok": 8,
+                         "moe_intermediate_size": 512, "norm_topk_prob": True,
+                         "decoder_sparse_step": 1, "shared_expert_intermediate_size": 512},
 }  # fmt: skip
 _LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                 "linear_value_head_dim", "linear_conv_kernel_dim")  # fmt: skip
@@ -122,24 +141,31 @@ def _layer_types(cfg: dict, layers: int, get, prefix: str, path: str | None) -> 
     return list(types)
 
 
-def _refuse_moe(cfg: dict, kind: str, layers: int, get, prefix: str, path: str | None) -> None:
-    """transformers builds a sparse MoE block on layer i when ``num_experts > 0``, i is not in
-    ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``; only dense MLPs are here."""
-    experts = get("num_experts") or 0
-    if kind != "qwen3_next":
+def read_moe(
+    cfg: dict, kind: str, layers: int, prefix: str, path: str | None
+) -> MoESettings | None:
+    """The MoE settings of a hybrid config, or None where every layer is dense. Qwen3.5's
+    reference builds no experts; Qwen3.5-MoE's makes every layer sparse and always
+    renormalises the top-k, so a config saying otherwise is refused; Qwen3-Next's follows
+    ``mlp_only_layers`` / ``decoder_sparse_step`` and ``norm_topk_prob``."""
+    experts = cfg.get("num_experts")
+    if kind in ("qwen3_5", "qwen3_5_text"):
         if experts:
             raise cfgs.refuse(prefix + "num_experts", experts, "MoE Qwen3.5 is qwen3_5_moe", path)
-        return
-    dense = set(cfg.get("mlp_only_layers") or [])
-    step = get("decoder_sparse_step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise cfgs.malformed(prefix + "decoder_sparse_step", f"found {step!r}", path)
-    sparse = [i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0]
-    if sparse:
-        raise cfgs.refuse(
-            prefix + "num_experts", experts, f"layers {sparse} would be sparse MoE blocks; only "
-            "the dense MLP variant of qwen3_next is implemented", path,
-        )  # fmt: skip
+        return None
+    family = "qwen3_next" if kind == "qwen3_next" else "qwen3_5_moe_text"
+    if family == "qwen3_5_moe_text":
+        for key, always in (("norm_topk_prob", True), ("decoder_sparse_step", 1)):
+            if cfg.get(key) not in (None, always):
+                raise cfgs.refuse(prefix + key, cfg[key], f"qwen3_5_moe always uses {always!r}",
+                                  path)  # fmt: skip
+        if cfg.get("mlp_only_layers"):
+            raise cfgs.refuse(prefix + "mlp_only_layers", cfg["mlp_only_layers"],
+                              "every qwen3_5_moe layer is sparse", path)  # fmt: skip
+    s = read_qwen_moe(cfg, layers, prefix, path, shared=True, defaults=_MOE_DEFAULTS[family])
+    if family == "qwen3_5_moe_text" and not s.num_experts:
+        raise cfgs.malformed(prefix + "num_experts", "qwen3_5_moe needs experts (found 0)", path)
+    return s if any(s.sparse_layers) else None
 
 
 def model_args(config: dict, path: str | None = None) -> ModelArgs:
@@ -149,13 +175,21 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     kind = cfg.get("model_type")
     if kind not in FAMILIES:
         raise UnsupportedArchitecture(f"unsupported model_type {kind!r}", path=path)
-    defaults = _DEFAULTS["qwen3_next" if kind == "qwen3_next" else "qwen3_5_text"]
+    defaults = _DEFAULTS[
+        "qwen3_next" if kind == "qwen3_next" else
+        "qwen3_5_moe_text" if kind in MOE_FAMILIES else "qwen3_5_text"
+    ]  # fmt: skip
 
     def get(key):
         value = cfg.get(key)
         return defaults.get(key) if value is None else value
 
-    required = cfgs.positive_ints(cfg, cfgs.SHAPE_KEYS, path, prefix)
+    shape = dict(cfg)
+    if kind in MOE_FAMILIES and shape.get("intermediate_size") is None:
+        # Every layer is sparse, so no dense MLP reads it; ModelArgs wants a width all the same.
+        shape["intermediate_size"] = get("moe_intermediate_size") or _MOE_DEFAULTS[
+            "qwen3_5_moe_text"]["moe_intermediate_size"]  # fmt: skip
+    required = cfgs.positive_ints(shape, cfgs.SHAPE_KEYS, path, prefix)
     layers, heads = required["num_hidden_layers"], required["num_attention_heads"]
     linear = cfgs.positive_ints({k: get(k) for k in _LINEAR_KEYS}, _LINEAR_KEYS, path, prefix)
     if linear["linear_num_value_heads"] % linear["linear_num_key_heads"]:
@@ -171,7 +205,7 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     if cfg.get("attn_output_gate") is False:
         raise cfgs.refuse(prefix + "attn_output_gate", False, "the reference always gates", path)
     cfgs.refuse_foreign(cfg, kind, prefix, path)
-    _refuse_moe(cfg, kind, layers, get, prefix, path)
+    moe = read_moe(cfg, kind, layers, prefix, path)
     types = _layer_types(cfg, layers, get, prefix, path)
     kv = int(get("num_key_value_heads"))
     if kv < 1 or heads % kv:
@@ -197,6 +231,8 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     )  # fmt: skip
     extra = {k: v for k, v in cfg.items() if k not in ModelArgs.__dataclass_fields__}
     extra["hybrid"] = hybrid
+    if moe is not None:
+        extra["moe"] = moe
     tie = cfg.get("tie_word_embeddings")
     return ModelArgs(
         model_type=kind, **required, num_key_value_heads=kv, head_dim=head_dim,
@@ -257,6 +293,9 @@ def prepare_weights(
                 out[name] = out[name].astype(mx.float32) + 1.0
     if settings(args).fused_projections:
         _regroup_fused(out, settings(args))
+    moe = args.extra.get("moe")
+    if moe is not None:
+        out, where = stack_experts(out, where, moe.num_experts)
     return out, where
 
 
@@ -379,6 +418,21 @@ class DepthwiseConv(nn.Module):
         self.weight = mx.zeros((channels, kernel, 1))
 
 
+def _conv_taps(*operands: mx.array) -> mx.array:
+    """``sum_i rows_i * tap_i`` for the K shifted row windows then the K taps: the depthwise
+    conv as one fused pass (eagerly it is 2K - 1 passes over ``[L, C]``)."""
+    half = len(operands) // 2
+    mixed = operands[0] * operands[half]
+    for rows, tap in zip(operands[1:half], operands[half + 1 :], strict=True):
+        mixed = mixed + rows * tap
+    return mixed
+
+
+# Shapeless: every feed length (prefill chunks, verify rows, decode steps) shares one trace;
+# the only broadcast is the taps' over rows, which keeps the fused loop whole.
+_conv_kernel = mx.compile(_conv_taps, shapeless=True)
+
+
 class GatedDeltaNet(nn.Module):
     """One linear-attention mixer (module docstring); Hugging Face parameter names."""
 
@@ -434,11 +488,9 @@ class GatedDeltaNet(nn.Module):
         if conv is None:
             conv = mx.zeros((batch, keep, channels), dtype=qkv.dtype)
         rows = mx.concatenate([conv, qkv], axis=1)  # the conv's input, K - 1 rows of history
-        weight = self.conv1d.weight[:, :, 0].astype(qkv.dtype)  # [C, K]
-        mixed = rows[:, :length] * weight[:, 0]
-        for i in range(1, self.kernel):
-            mixed = mixed + rows[:, i : i + length] * weight[:, i]
-        mixed = nn.silu(mixed)
+        taps = self.conv1d.weight[:, :, 0].T.astype(qkv.dtype)  # [K, C]: a contiguous row each
+        shifted = [rows[:, i : i + length] for i in range(self.kernel)]
+        mixed = silu(_conv_kernel(*shifted, *[taps[i] for i in range(self.kernel)]))
         keys, _, _ = self.widths
         q = mixed[..., :keys].reshape(batch, length, self.key_heads, self.key_dim)
         k = mixed[..., keys : 2 * keys].reshape(batch, length, self.key_heads, self.key_dim)
@@ -454,7 +506,7 @@ class GatedDeltaNet(nn.Module):
         batch, length = y.shape[:2]
         normed = mx.fast.rms_norm(y.astype(mx.float32), self.norm.weight.astype(mx.float32),
                                   self.norm.eps)  # fmt: skip
-        gated = (normed * nn.silu(z.astype(mx.float32))).astype(y.dtype)
+        gated = (normed * silu(z.astype(mx.float32))).astype(y.dtype)
         return self.out_proj(gated.reshape(batch, length, -1))
 
 
@@ -523,16 +575,19 @@ class HybridStack(nn.Module):
 
     @staticmethod
     def make_mlp(args: ModelArgs, index: int) -> nn.Module:
-        """Layer ``index``'s feed-forward block (dense; a MoE variant overrides this)."""
-        return MLP(args)
+        """Layer ``index``'s feed-forward block: sparse where the MoE schedule says so."""
+        moe = args.extra.get("moe")
+        return SparseMoE(args, moe) if moe is not None and moe.sparse_layers[index] else MLP(args)
 
 
 def head_layer(args: ModelArgs) -> DecoderLayer:
-    """The MTP head's block: a gated full-attention layer with a dense MLP, even though the
-    target is hybrid (``mtp.layers.0.*``: q_proj emits query and gate, q/k norms, partial
-    RoPE); it keeps its own ``KVCache``. Its zero-centred gains are shifted by the head's
-    loader (``runner.heads``) when the target's were (``Model.head_norm_shift``)."""
-    return AttentionBlock(args, MLP(args))
+    """The MTP head's block: a gated full-attention layer, even though the target is hybrid
+    (``mtp.layers.0.*``: q_proj emits query and gate, q/k norms, partial RoPE); it keeps its
+    own ``KVCache``. Its MLP is the target's layer 0 kind (the engines build the head's layer
+    with index 0 under the target's MoE schedule: sparse for Qwen3.5-MoE and Qwen3-Next, dense
+    for Qwen3.5). Its zero-centred gains are shifted by the head's loader
+    (``runner.heads``) when the target's were (``Model.head_norm_shift``)."""
+    return AttentionBlock(args, HybridStack.make_mlp(args, 0))
 
 
 def stores_zero_centred(weights: dict[str, mx.array]) -> bool:

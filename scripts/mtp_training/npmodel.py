@@ -1,4 +1,5 @@
-"""A NumPy forward pass of a loaded Llama-family target, for bulk generation on CPU.
+"""A NumPy forward pass of a loaded Llama-family target (dense, or with Qwen-style sparse MoE
+MLPs), for bulk generation on CPU.
 
 MLX's CPU backend evaluates ``exp`` one element at a time (tens of ns each), so at batch 48
 the attention softmax and the SwiGLU sigmoid cost more than the matrix products, and the
@@ -70,11 +71,81 @@ def rope_rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dims: int, trad
     return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
+def _gate_up_down(mlp) -> tuple[np.ndarray, np.ndarray]:
+    """A dense MLP's fused ``[in, 2I]`` gate/up and ``[I, out]`` down."""
+    from runner.models.layers import dense_weight
+
+    gate_up = np.concatenate([_np(dense_weight(mlp.gate_proj)), _np(dense_weight(mlp.up_proj))])
+    return np.ascontiguousarray(gate_up.T), np.ascontiguousarray(_np(dense_weight(mlp.down_proj)).T)
+
+
+def pack_moe(mlp) -> dict[str, np.ndarray]:
+    """A sparse MoE block (``runner.models.moe.SparseMoE``) as NumPy: the router ``[D, E]``,
+    experts' ``[E, D, 2I]`` gate/up and ``[E, I, D]`` down, a shared expert and its gate.
+    Softmax routing only (Qwen's); GLM's grouped sigmoid routing is refused by name."""
+    from runner.models import moe
+    from runner.models.layers import dense_weight
+
+    s = mlp.settings
+    if s.scoring != "softmax":
+        raise ValueError(f"the trainer's NumPy target routes by softmax only, not {s.scoring!r}")
+    switch = mlp.switch_mlp
+    if not isinstance(switch.down_proj, moe.SwitchLinear):
+        raise ValueError("the trainer's NumPy target needs float experts (dequantize them)")
+    gate, up, down = (_np(p.dense()) for p in (switch.gate_proj, switch.up_proj, switch.down_proj))
+    w = {
+        "router": np.ascontiguousarray(_np(dense_weight(mlp.gate)).T),
+        "experts_gate_up": np.ascontiguousarray(np.concatenate([gate, up], axis=1).swapaxes(1, 2)),
+        "experts_down": np.ascontiguousarray(down.swapaxes(1, 2)),
+        "top_k": np.array(s.top_k),
+        "norm_topk": np.array(s.norm_topk_prob),
+    }
+    shared = mlp.get("shared_experts", mlp.get("shared_expert"))
+    if shared is not None:
+        w["shared_gate_up"], w["shared_down"] = _gate_up_down(shared)
+    if "shared_expert_gate" in mlp:
+        w["shared_gate"] = np.ascontiguousarray(_np(dense_weight(mlp.shared_expert_gate)).T)
+    return w
+
+
+def swiglu(gu: np.ndarray) -> np.ndarray:
+    inter = gu.shape[-1] // 2
+    g, u = gu[..., :inter], gu[..., inter:]
+    with np.errstate(over="ignore"):
+        return g / (1.0 + np.exp(-g)) * u
+
+
+def moe_forward(w: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """``SparseMoE`` over rows ``x`` ``[T, D]``: softmax over all experts in float32, the top-k
+    (renormalised when asked), each selected expert run once over the rows that chose it."""
+    logits = x @ w["router"]
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    k = int(w["top_k"])
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, chosen, axis=-1)
+    if bool(w["norm_topk"]):
+        weights /= weights.sum(axis=-1, keepdims=True)
+    y = np.zeros_like(x)
+    for expert in np.unique(chosen):
+        rows, slot = np.nonzero(chosen == expert)
+        out = swiglu(x[rows] @ w["experts_gate_up"][expert]) @ w["experts_down"][expert]
+        np.add.at(y, rows, out * weights[rows, slot][:, None])
+    if "shared_gate_up" in w:
+        shared = swiglu(x @ w["shared_gate_up"]) @ w["shared_down"]
+        if "shared_gate" in w:
+            shared = shared / (1.0 + np.exp(-(x @ w["shared_gate"])))
+        y = y + shared
+    return y
+
+
 def pack_layer(layer) -> dict[str, np.ndarray]:
     """A decoder layer's weights as float32 NumPy, ``[in, out]``, q/k/v and gate/up fused:
-    ``qkv``, ``o``, ``gate_up``, ``down``, ``ln1``, ``ln2``, the biases (``*_b``) and
-    ``q_norm`` / ``k_norm`` where the layer has them (shared by the target and the head)."""
+    ``qkv``, ``o``, ``gate_up``, ``down`` (or ``moe``: :func:`pack_moe`), ``ln1``, ``ln2``,
+    the biases (``*_b``) and ``q_norm`` / ``k_norm`` where the layer has them (shared by the
+    target and the head)."""
     from runner.models.layers import dense_weight
+    from runner.models.moe import SparseMoE
 
     att, mlp = layer.self_attn, layer.mlp
     params = dict(tree_flatten(layer.parameters()))
@@ -83,13 +154,13 @@ def pack_layer(layer) -> dict[str, np.ndarray]:
             np.concatenate([_np(dense_weight(m)) for m in (att.q_proj, att.k_proj, att.v_proj)]).T
         ),
         "o": np.ascontiguousarray(_np(dense_weight(att.o_proj)).T),
-        "gate_up": np.ascontiguousarray(
-            np.concatenate([_np(dense_weight(mlp.gate_proj)), _np(dense_weight(mlp.up_proj))]).T
-        ),
-        "down": np.ascontiguousarray(_np(dense_weight(mlp.down_proj)).T),
         "ln1": _np(layer.input_layernorm.weight),
         "ln2": _np(layer.post_attention_layernorm.weight),
     }
+    if isinstance(mlp, SparseMoE):
+        w["moe"] = pack_moe(mlp)
+    else:
+        w["gate_up"], w["down"] = _gate_up_down(mlp)
     if "self_attn.q_proj.bias" in params:
         w["qkv_b"] = np.concatenate([_np(params[f"self_attn.{p}_proj.bias"]) for p in "qkv"])
     for name, key in (("self_attn.o_proj.bias", "o_b"), ("mlp.down_proj.bias", "down_b")):
@@ -190,14 +261,14 @@ class NumpyLlama(NumpyOutput):
             if "o_b" in w:
                 o = o + w["o_b"]
             x = x + o
-            gu = rms_forward(x, w["ln2"], self.eps)[0] @ w["gate_up"]
+            xn = rms_forward(x, w["ln2"], self.eps)[0]
+            if "moe" in w:
+                x = x + moe_forward(w["moe"], xn)
+                continue
+            gu = xn @ w["gate_up"]
             if "gate_up_b" in w:
                 gu = gu + w["gate_up_b"]
-            inter = gu.shape[-1] // 2
-            g, u = gu[:, :inter], gu[:, inter:]
-            with np.errstate(over="ignore"):
-                act = g / (1.0 + np.exp(-g)) * u
-            d = act @ w["down"]
+            d = swiglu(gu) @ w["down"]
             if "down_b" in w:
                 d = d + w["down_b"]
             x = x + d

@@ -10,13 +10,16 @@ The format is drafting/load.py's (its ``write_sidecar`` writes, runner.heads rea
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from drafting.head import HeadConfig, MTPHead
 from drafting.load import sidecar_target, write_sidecar
 from runner.models.layers import dense_weight
-from runner.models.llama import DecoderLayer
+from runner.models.llama import MLP, DecoderLayer
+from runner.models.moe import SparseMoE
 
 
 def _copy_layer(dst: nn.Module, src: nn.Module) -> None:
@@ -32,11 +35,31 @@ def _copy_layer(dst: nn.Module, src: nn.Module) -> None:
             module.weight = mx.array(other.weight)
 
 
+def _dense_stand_in_from(mlp: SparseMoE, args) -> MLP:
+    """A dense MLP (``args``' width: the experts') holding a MoE block's first routed expert."""
+    dense = MLP(args)
+    switch = mlp.switch_mlp
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(dense, name).weight = mx.array(getattr(switch, name).dense()[0])
+    return dense
+
+
 def build_head(model, draft_vocab: list[int] | None) -> MTPHead:
-    """A head for ``model`` initialised from its last decoder layer and final norm."""
+    """A head for ``model`` initialised from its last decoder layer and final norm (a MoE last
+    layer's MLP from its first expert: the head's block stays dense)."""
     args = model.args
+    last = model.layers[-1]
+    if isinstance(last.mlp, SparseMoE):
+        args = dataclasses.replace(args, intermediate_size=last.mlp.settings.intermediate_size)
     layer = DecoderLayer(args)
-    _copy_layer(layer, model.layers[-1])
+    if isinstance(last.mlp, SparseMoE):
+        stand_in = _dense_stand_in_from(last.mlp, args)
+        _copy_layer(layer.self_attn, last.self_attn)
+        _copy_layer(layer.mlp, stand_in)
+        layer.input_layernorm.weight = mx.array(last.input_layernorm.weight)
+        layer.post_attention_layernorm.weight = mx.array(last.post_attention_layernorm.weight)
+    else:
+        _copy_layer(layer, last)
     config = HeadConfig(hidden_size=args.hidden_size, rms_norm_eps=args.rms_norm_eps)
     head = MTPHead(config, layer, model.embed, model.output_weight)
     head.norm.weight = mx.array(model.model.norm.weight)
