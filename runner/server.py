@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+import msgspec
+
 import protocol
 from protocol import (
     BAD_REQUEST,
@@ -342,6 +344,11 @@ class Server:
                     del self._jobs[job.request.id]
                 if self._running is job:
                     self._running = None
+                # A cancel the reader took for this job (under this lock) after the engine's
+                # last check: the documented answer to a running job's cancel is a cancelled
+                # done, never silence; one taken after this point gets unknown_id.
+                if job.cancel.is_set() and frame.done_reason not in ("cancelled", "error"):
+                    frame = msgspec.structs.replace(frame, done_reason="cancelled")
         elif isinstance(frame, protocol.Token) and self.fault_id == job.request.id:
             job.token_frames += 1
             if job.token_frames == 2:

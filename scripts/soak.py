@@ -265,7 +265,11 @@ class Soak:
         if done["done_reason"] == "cancelled":
             self.counts["cancelled"] += 1
         else:  # it finished first: the cancel gets unknown_id
-            error = self.runner.take(rid)
+            try:
+                error = self.runner.take(rid)
+            except queue.Empty:
+                self.fail(f"{rid}: done {done['done_reason']!r} and nothing answered the cancel")
+                return
             if error.get("code") != "unknown_id":
                 self.fail(f"{rid}: after done, the cancel got {error}")
 

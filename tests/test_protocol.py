@@ -590,3 +590,35 @@ def test_version_flag():
     )
     assert out.returncode == 0
     assert out.stdout.strip() == f"mtp-runner 0.1.0 (protocol {protocol.PROTOCOL_VERSION})"
+
+
+class LateCancelEngine(NoopEngine):
+    """A cancel the reader takes after the engine's last check of the mark: the engine then
+    finishes as if uncancelled (``length``)."""
+
+    server: Server | None = None
+
+    def run(self, prepared, emit, cancelled) -> None:
+        emit(Token(prepared.id, "a", [97]))
+        assert not cancelled()
+        self.server._cancel(prepared.id)  # what the reader thread does on a cancel line
+        emit(Done(prepared.id, "length", eval_tokens=1))
+
+
+def test_a_cancel_taken_after_the_engines_last_check_still_gets_a_cancelled_done():
+    """A running job's cancel is answered by a cancelled done, never by silence: the race
+    between a cancel line and the end of its completion cannot lose both answers."""
+    out = RecordingStream()
+    server = Server(FrameWriter(out))
+    engine = LateCancelEngine()
+    engine.server = server
+    r, w = os.pipe()
+    os.write(w, completion_line("late") + b"\n")
+    os.close(w)
+    try:
+        assert server.serve(lambda progress: engine, lambda n: os.read(r, n)) == 0
+    finally:
+        os.close(r)
+    frames = [f for f in out.frames() if f.get("id") == "late"]
+    assert [f["type"] for f in frames] == ["token", "done"]
+    assert frames[-1]["done_reason"] == "cancelled" and frames[-1]["eval_tokens"] == 1
