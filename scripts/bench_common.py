@@ -197,6 +197,23 @@ class Worker:
         close_child(self.proc, self._log)
 
 
+def preload_runner_blas(threads: int | None = None) -> Any:
+    """In a reference venv (mlx-lm's), the runner's BLAS preload before mlx is imported, with
+    the project's MKL (it lives in .venv, not in the reference venv), so both sides of a
+    benchmark multiply with the same library; ``threads`` sets ``MKL_NUM_THREADS`` unless the
+    caller's environment did. Returns ``runner.blas``."""
+    sys.path.insert(0, ROOT)
+    import runner.blas
+
+    mkl = os.path.join(ROOT, ".venv", "lib", "libmkl_rt.so.3")
+    if os.path.exists(mkl):
+        os.environ.setdefault("MTP_RUNNER_MKL", mkl)
+    if threads is not None:
+        os.environ.setdefault("MKL_NUM_THREADS", str(threads))
+    runner.blas.preload()
+    return runner.blas
+
+
 def serve_worker(info: dict, handle: Callable[[dict], dict]) -> None:
     """The worker side: print ``info``, then answer each command line with ``handle``.
 

@@ -61,14 +61,7 @@ def ensure_bench_venv() -> str:
 
 def mlx_lm_worker(hf_dir: str) -> None:
     """Runs inside .venv-bench: mlx-lm's own model code and generate loop."""
-    sys.path.insert(0, bc.ROOT)
-    import runner.blas  # the same BLAS preload as the runner, before mlx is imported
-
-    # The runner's MKL lives in the project's .venv, not in .venv-bench: use the same library.
-    mkl = os.path.join(bc.ROOT, ".venv", "lib", "libmkl_rt.so.3")
-    if os.path.exists(mkl):
-        os.environ.setdefault("MTP_RUNNER_MKL", mkl)
-    runner.blas.preload()
+    blas = bc.preload_runner_blas()
     import mlx.core as mx
     from mlx_lm import load, stream_generate
 
@@ -95,7 +88,7 @@ def mlx_lm_worker(hf_dir: str) -> None:
         }
 
     info = {
-        "blas": runner.blas.blas_in_use(),
+        "blas": blas.blas_in_use(),
         "mlx": mx.__version__,
         "mlx_lm": importlib.metadata.version("mlx-lm"),
     }

@@ -237,16 +237,9 @@ def runner_worker(directory: str) -> None:
 # ----------------------------------------------------------------------------- mlx-lm side
 def mlx_lm_worker(directory: str) -> None:
     """Runs inside .venv-ref: mlx-lm's own qwen3_5 model and generate loop, greedy."""
-    sys.path.insert(0, bc.ROOT)
-    import runner.blas  # the runner's BLAS preload, before mlx is imported
-
-    mkl = os.path.join(bc.ROOT, ".venv", "lib", "libmkl_rt.so.3")
-    if os.path.exists(mkl):
-        os.environ.setdefault("MTP_RUNNER_MKL", mkl)
     # MKL on every core for everything, as mlx-lm runs by default (the preload would set the
     # runner's one-fewer-core decode count, which mlx-lm never widens for its prefill).
-    os.environ.setdefault("MKL_NUM_THREADS", str(os.cpu_count() or 1))
-    runner.blas.preload()
+    blas = bc.preload_runner_blas(threads=os.cpu_count() or 1)
     from pathlib import Path
 
     import mlx.core as mx
@@ -269,7 +262,7 @@ def mlx_lm_worker(directory: str) -> None:
 
     import importlib.metadata
 
-    info = {"blas": f"{runner.blas.blas_in_use()}, MKL_NUM_THREADS="
+    info = {"blas": f"{blas.blas_in_use()}, MKL_NUM_THREADS="
                     f"{os.environ['MKL_NUM_THREADS']}", "mlx": mx.__version__,
             "mlx_lm": importlib.metadata.version("mlx-lm")}  # fmt: skip
     bc.serve_worker(info, handle)

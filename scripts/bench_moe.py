@@ -388,16 +388,10 @@ def timed_parts(parts: dict, layers: int, reps: int) -> dict[str, float]:
 
 def mlx_lm_worker(path: str) -> None:
     """Runs inside .venv-ref: mlx-lm's own model code and decode loop."""
-    sys.path.insert(0, bc.ROOT)
     import importlib.metadata
     from pathlib import Path
 
-    import runner.blas  # the same BLAS preload as the runner, before mlx is imported
-
-    mkl = os.path.join(bc.ROOT, ".venv", "lib", "libmkl_rt.so.3")
-    if os.path.exists(mkl):
-        os.environ.setdefault("MTP_RUNNER_MKL", mkl)
-    runner.blas.preload()
+    blas = bc.preload_runner_blas()
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
@@ -439,7 +433,7 @@ def mlx_lm_worker(path: str) -> None:
         raise ValueError(f"mlx-lm worker: no {command['cmd']!r}")
 
     info = {
-        "blas": runner.blas.blas_in_use(),
+        "blas": blas.blas_in_use(),
         "mlx": mx.__version__,
         "mlx_lm": importlib.metadata.version("mlx-lm"),
     }

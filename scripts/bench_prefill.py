@@ -126,13 +126,7 @@ def runner_worker(model_path: str, tree: str) -> None:
 # ----------------------------------------------------------------------------- mlx-lm side
 def mlx_lm_worker(hf_dir: str) -> None:
     """Runs inside the mlx-lm venv: mlx-lm's own model code and prompt processing."""
-    sys.path.insert(0, bc.ROOT)
-    import runner.blas  # the runner's BLAS preload, before mlx is imported
-
-    mkl = os.path.join(bc.ROOT, ".venv", "lib", "libmkl_rt.so.3")
-    if os.path.exists(mkl):
-        os.environ.setdefault("MTP_RUNNER_MKL", mkl)
-    runner.blas.preload()
+    blas = bc.preload_runner_blas()
     import mlx.core as mx
     from mlx_lm import load, stream_generate
 
@@ -141,7 +135,7 @@ def mlx_lm_worker(hf_dir: str) -> None:
     def handle(command: dict) -> dict:
         last = None
         t0 = time.perf_counter()
-        with runner.blas.wide():  # the thread count the runner's prefill uses
+        with blas.wide():  # the thread count the runner's prefill uses
             for response in stream_generate(
                 model, tokenizer, prompt=command["tokens"], max_tokens=1
             ):
@@ -151,7 +145,7 @@ def mlx_lm_worker(hf_dir: str) -> None:
         return {"seconds": seconds, "tokens": len(command["tokens"]), "prompt_tps": last.prompt_tps}
 
     info = {
-        "blas": runner.blas.blas_in_use(),
+        "blas": blas.blas_in_use(),
         "mlx": mx.__version__,
         "mlx_lm": importlib.metadata.version("mlx-lm"),
     }
