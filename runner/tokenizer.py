@@ -65,6 +65,9 @@ def _length_preserving(normalizer: dict | None) -> bool:
     return False
 
 
+GIL_FREE_CHARS = 4096  # texts at least this long are tokenized without holding the GIL
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the model's BOS/EOS rules and a token-to-bytes table."""
 
@@ -119,7 +122,14 @@ class Tokenizer:
         return table
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``. Long texts go through ``encode_batch``, which releases the
+        GIL while it works (``encode`` holds it for the whole call, so a long prompt's
+        tokenizing on the preparation thread would stall the reader's answers to control
+        lines); same ids, a little more overhead, so short texts keep ``encode``."""
+        if len(text) >= GIL_FREE_CHARS:
+            ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.hf.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids = [self.bos_id, *ids]

@@ -72,3 +72,37 @@ def test_default_model_tokenizer(default_loaded):
     assert len(digits) == 5
     assert tok.eos_ids == {2} and not tok.add_bos
     assert tok.vocab_size == 49152
+
+
+def test_long_texts_tokenize_alike_and_leave_the_gil_to_other_threads(default_model):
+    """Texts past ``GIL_FREE_CHARS`` go through ``encode_batch``: the same ids as ``encode``,
+    and another thread keeps running meanwhile (the reader answering control lines while a
+    long prompt is tokenized on the preparation thread)."""
+    import threading
+    import time
+
+    from runner import tokenizer as tokenizer_module
+
+    tok = load_model(default_model).tokenizer
+    for size in (tokenizer_module.GIL_FREE_CHARS - 1, tokenizer_module.GIL_FREE_CHARS, 50_000):
+        text = ("The quick brown fox, 12 jumps; über naïve café! " * 2000)[:size]
+        assert tok.encode(text) == tok.hf.encode(text, add_special_tokens=False).ids
+    text = "lorem ipsum dolor sit amet, consectetur 42. " * 40_000
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.002)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.02)
+    start = time.perf_counter()
+    tok.encode(text)
+    end = time.perf_counter()
+    done.set()
+    ticker.join()
+    during = [t for t in ticks if start < t < end]
+    assert end - start < 0.05 or len(during) >= 5, (end - start, len(during))
