@@ -287,6 +287,20 @@ class KVCache(_Buffers):
             snap._set_copy(None, None)
 
 
+def claim_pin(pins: dict, offset: int, start: int, end: int | None) -> tuple[int, object]:
+    """For a windowed cache's ``snapshot(start, end)``: ``end`` (default ``offset``) checked
+    against the cache, and the restorable snapshot pinned there, taken out of ``pins`` and
+    made to start at ``start`` (None when there is none)."""
+    end = offset if end is None else end
+    if not 0 <= start <= end <= offset:
+        raise ValueError(f"cannot snapshot [{start}, {end}) of a cache at offset {offset}")
+    pinned = pins.pop(end, None)
+    if pinned is None or not pinned.restorable:
+        return end, None
+    pinned.start = start
+    return end, pinned
+
+
 class WindowSnapshot(_SnapshotCopy):
     """What a sliding-window cache needs to resume at position ``end``: the keys and values of
     the window before it, positions ``[lo, end)`` with ``lo = max(0, end - window + 1)``.
@@ -548,12 +562,8 @@ class RotatingKVCache(_Buffers):
     def snapshot(self, start: int, end: int | None = None) -> WindowSnapshot:
         """The window before ``end`` for a trie node ``[start, end)``: a pinned copy, a lazy
         range of the buffer, or an empty snapshot when the window is gone."""
-        end = self.offset if end is None else end
-        if not 0 <= start <= end <= self.offset:
-            raise ValueError(f"cannot snapshot [{start}, {end}) of a cache at offset {self.offset}")
-        pinned = self._pins.pop(end, None)
-        if pinned is not None and pinned.restorable:
-            pinned.start = start
+        end, pinned = claim_pin(self._pins, self.offset, start, end)
+        if pinned is not None:
             return pinned
         if self.holds(end):
             return self._lazy_window(start, end)

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import mlx.core as mx
 
-from cache.kv import WindowSnapshot
+from cache.kv import WindowSnapshot, claim_pin
 
 # (conv rows, recurrent state); (None, None) is the zero state of position 0.
 State = tuple[mx.array | None, mx.array | None]
@@ -168,12 +168,8 @@ class RecurrentCache:
     def snapshot(self, start: int, end: int | None = None) -> WindowSnapshot:
         """The state at ``end`` (default: the offset) for a trie node ``[start, end)``: a
         pinned copy, a held state, or an empty (unrestorable) placeholder."""
-        end = self.offset if end is None else end
-        if not 0 <= start <= end <= self.offset:
-            raise ValueError(f"cannot snapshot [{start}, {end}) of a cache at offset {self.offset}")
-        pinned = self._pins.pop(end, None)
-        if pinned is not None and pinned.restorable:
-            pinned.start = start
+        end, pinned = claim_pin(self._pins, self.offset, start, end)
+        if pinned is not None:
             return pinned
         state = self._held(end)
         if state is None:

@@ -381,17 +381,23 @@ class GatedAttention(Attention):
         return self.o_proj(attended * mx.sigmoid(gate))
 
 
+def _hybrid_block_parts(block: DecoderLayer, args: ModelArgs, mlp: nn.Module) -> None:
+    """What both hybrid blocks hold besides their mixer: the given MLP, the two norms, no
+    compiled parts yet (llama's ``DecoderLayer.__init__`` would build its own attention)."""
+    nn.Module.__init__(block)
+    block.mlp = mlp
+    block.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+    block.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+    block.compiled = None
+
+
 class AttentionBlock(DecoderLayer):
     """A gated full-attention layer in llama's three parts (before the cache, attention,
     after), the gate passed from the first to the last."""
 
     def __init__(self, args: ModelArgs, mlp: nn.Module) -> None:
-        nn.Module.__init__(self)
+        _hybrid_block_parts(self, args, mlp)
         self.self_attn = GatedAttention(args)
-        self.mlp = mlp
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.compiled = None
 
     def __call__(self, x: mx.array, mask: Mask, cache, rope: RopeTables | None = None) -> mx.array:
         if rope is None:
@@ -516,12 +522,8 @@ class LinearBlock(DecoderLayer):
     the gated norm, output projection, residuals and MLP (compiled)."""
 
     def __init__(self, args: ModelArgs, mlp: nn.Module) -> None:
-        nn.Module.__init__(self)
+        _hybrid_block_parts(self, args, mlp)
         self.linear_attn = GatedDeltaNet(args)
-        self.mlp = mlp
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.compiled = None
         self._step = None  # the compiled one-row mix, built for the current CompiledBlock
         self._step_of: CompiledBlock | None = None
 

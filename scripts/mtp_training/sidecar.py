@@ -47,18 +47,15 @@ def _dense_stand_in_from(mlp: SparseMoE, args) -> MLP:
 def build_head(model, draft_vocab: list[int] | None) -> MTPHead:
     """A head for ``model`` initialised from its last decoder layer and final norm (a MoE last
     layer's MLP from its first expert: the head's block stays dense)."""
-    args = model.args
-    last = model.layers[-1]
+    args, last = model.args, model.layers[-1]
     if isinstance(last.mlp, SparseMoE):
         args = dataclasses.replace(args, intermediate_size=last.mlp.settings.intermediate_size)
-    layer = DecoderLayer(args)
-    if isinstance(last.mlp, SparseMoE):
-        stand_in = _dense_stand_in_from(last.mlp, args)
-        _copy_layer(layer.self_attn, last.self_attn)
-        _copy_layer(layer.mlp, stand_in)
-        layer.input_layernorm.weight = mx.array(last.input_layernorm.weight)
-        layer.post_attention_layernorm.weight = mx.array(last.post_attention_layernorm.weight)
+        layer = DecoderLayer(args)
+        layer.mlp = _dense_stand_in_from(last.mlp, args)
+        for name in ("self_attn", "input_layernorm", "post_attention_layernorm"):
+            _copy_layer(getattr(layer, name), getattr(last, name))
     else:
+        layer = DecoderLayer(args)
         _copy_layer(layer, last)
     config = HeadConfig(hidden_size=args.hidden_size, rms_norm_eps=args.rms_norm_eps)
     head = MTPHead(config, layer, model.embed, model.output_weight)
