@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner import decoder
+from runner import decoder, native
 from runner.decoder import Cancelled, chunk_ends, prefill
 from runner.loader import load_model
 from runner.models import attention
@@ -23,9 +23,15 @@ from runner.models.llama import causal_mask, window_mask
 # ---------------------------------------------------------------------------- the kernel
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Blocks of 16 rows, key tiles of 48, last tiles rounded to 8: short feeds cross them."""
+@pytest.fixture(params=["mlx-ops", "fused"])
+def small_tiles(request, monkeypatch):
+    """Blocks of 16 rows, key tiles of 48, last tiles rounded to 8: short feeds cross them.
+    Twice: through the MLX ops (the native kernel hidden) and through the native fused kernel
+    where it serves (its blocks of 64 rows and tiles of 64 keys: the longer shapes cross them)."""
+    if request.param == "fused" and not native.attention_available():
+        pytest.skip(native.reason() or "the native build has no fused attention")
+    if request.param == "mlx-ops":
+        monkeypatch.setattr(native, "attention_available", lambda: False)
     monkeypatch.setattr(attention, "BLOCK_ROWS", 16)
     monkeypatch.setattr(attention, "KEY_TILE", 48)
     monkeypatch.setattr(attention, "GRAIN", 8)
@@ -69,7 +75,7 @@ def qkv(length: int, keys: int, batch=1, heads=4, groups=2, dim=16, seed=0, spre
 # key is one or two past a block's first row.
 SHAPES = [
     (5, 0), (16, 0), (17, 0), (37, 11), (48, 0), (50, 47), (64, 95), (100, 133), (20, 46),
-    (3, 93),
+    (3, 93), (130, 70), (65, 0), (64, 64),
 ]  # fmt: skip
 
 
@@ -255,6 +261,7 @@ def test_a_cancel_inside_a_chunk_keeps_exactly_the_whole_chunks(four_layers, mon
     uninterrupted prefill gives."""
     model, layers, chunk = four_layers, len(four_layers.layers), 80
     monkeypatch.setattr(attention, "BLOCK_ROWS", -(-chunk // blocks))
+    monkeypatch.setattr(attention, "FUSED_PIECE_ROWS", -(-chunk // blocks))
     tokens = prompt(310, seed=2)
     ends = chunk_ends(0, len(tokens), chunk)
     want, _ = hidden_rows(model, tokens, chunk)

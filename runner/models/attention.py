@@ -31,6 +31,11 @@ kernel computes the same softmax(q k^T) v with four changes:
 
 The trade-off: a few MLX ops per tile instead of five per call, which pays only for feeds of
 many rows; decode steps and verify rows keep the five-op composition (``serves``).
+
+With the native build (``runner.native.flash_attention``), causal and unmasked feeds without
+soft-capping run fused instead: the same softmax per block of query rows with the scores kept
+in registers and cache-sized tiles, on every core. The MLX ops above remain for array masks
+(sliding windows), soft-capping and builds without the extension.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ import math
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
+
+from runner import native
 
 LOG2E = math.log2(math.e)
 BLOCK_ROWS = 128  # query rows per block, per head
@@ -65,6 +72,8 @@ _P = (
 # A masked score, in log2 units: finite (so no inf - inf) and far enough below any real score
 # that its exponent clamps to 2**-127 = 0, yet inside int32 for the exponent's conversion.
 MASKED = -(2.0**30)
+# Query rows per fused call while a cancel hook is set: the hook runs between the calls.
+FUSED_PIECE_ROWS = 256
 
 
 # Called with each query block's (lazy) output but the last while a prefill evaluates its
@@ -162,10 +171,12 @@ def blocked_attention(
     ``Attention._attend`` computes it. ``mask``: None (every key), "causal" (row i at position
     ``T - L + i`` sees keys up to it) or an additive or boolean ``[L, T]`` array;
     ``softcap``: tanh soft-capping of the scores (Gemma 2) ahead of the mask."""
+    causal = isinstance(mask, str)
+    if softcap is None and (mask is None or causal) and native.attention_available():
+        return _fused(q, k, v, scale, causal)
     batch, heads, length, dim = q.shape
     groups, keys = k.shape[1], k.shape[2]
     per_group = heads // groups
-    causal = isinstance(mask, str)
     offset = keys - length  # position of the first query row
     padded = -(-keys // GRAIN) * GRAIN
     k, v = _padded(k, padded), _padded(v, padded)
@@ -224,3 +235,22 @@ def blocked_attention(
             hook(blocks[-1])
     out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=3)
     return out.reshape(batch, heads, length, dim)
+
+
+def _fused(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool) -> mx.array:
+    """The native fused kernel, in pieces of ``FUSED_PIECE_ROWS`` query rows while a cancel
+    hook is set (a causal piece takes only the keys up to its last row)."""
+    hook, length, keys = _BETWEEN_BLOCKS.get(), q.shape[2], k.shape[2]
+    if hook is None or length <= FUSED_PIECE_ROWS:
+        return native.flash_attention(q, k, v, scale=scale, causal=causal)
+    pieces = []
+    for start in range(0, length, FUSED_PIECE_ROWS):
+        rows = min(FUSED_PIECE_ROWS, length - start)
+        end = keys - length + start + rows if causal else keys
+        qp = q[:, :, start : start + rows]
+        pieces.append(
+            native.flash_attention(qp, k[:, :, :end], v[:, :, :end], scale=scale, causal=causal)
+        )
+        if start + rows < length:
+            hook(pieces[-1])
+    return mx.concatenate(pieces, axis=2)

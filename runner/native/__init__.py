@@ -1,4 +1,5 @@
-"""Few-row float32 products ``x @ W`` over a column-panel weight layout (an MLX C++ primitive).
+"""The runner's MLX C++ primitives for the CPU: few-row float32 products ``x @ W`` over a
+column-panel weight layout, routed experts over the same panels, and fused prefill attention.
 
 A product with a few rows (speculative verify rows, batched decode) is memory-bound: the BLAS
 libraries still run it as a small GEMM and pay 2-8x a one-row product for 4-8 rows. Here the
@@ -18,6 +19,9 @@ The routed experts of a mixture-of-experts block use the same panels per expert,
 picked, grouping the (row, expert) pairs by expert so each selected expert's panels are read
 once for all the rows that chose it; each pair is the one-row product above, so it too is the
 same whatever rows share the feed.
+
+Prefill chunks' attention runs fused (:func:`flash_attention`): per block of query rows the
+scores, their online softmax and the weighted values stay in cache-sized tiles, on every core.
 
 Build the extension with ``python -m runner.native.build``. Importing this module never fails:
 without a usable build, :func:`available` is False, :func:`reason` says why, and
@@ -230,3 +234,31 @@ def mlx_gather_panel_matmul(x: mx.array, panels: mx.array, indices: mx.array, n:
     rows = x.astype(panels.dtype)[:, :, None, :]  # [T, 1 or k, 1, K]: broadcasts over k
     y = mx.gather_mm(rows, w, rhs_indices=mx.where(valid, index, 0)).squeeze(-2)
     return mx.where(valid[..., None], y, 0.0)
+
+
+def attention_available() -> bool:
+    """Whether the compiled module has the fused attention (a build from before it was added
+    has only the products)."""
+    return _ext is not None and hasattr(_ext, "flash_attention")
+
+
+def flash_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    causal: bool,
+    threads: int | None = None,
+) -> mx.array:
+    """softmax(scale q k^T + mask) v for float32 ``q`` ``[B, H, L, D]`` and ``k``, ``v``
+    ``[B, G, T, D]`` (G divides H: grouped-query heads), fused per block of 64 query rows
+    (``flash.h``). ``causal``: row i sits at position ``T - L + i`` and sees the keys up to it;
+    otherwise every key. ``threads`` (blocks split over threads) defaults to every core.
+    Raises RuntimeError when the build has no attention (:func:`attention_available`)."""
+    if not attention_available():
+        raise RuntimeError(
+            "runner.native has no fused attention: "
+            + (_reason or "rebuild it with `python -m runner.native.build`")
+        )
+    return _ext.flash_attention(q, k, v, scale, causal, threads or LARGE_M_THREADS)

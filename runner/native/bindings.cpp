@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "attention.h"
 #include "gathered.h"
 #include "mlx/version.h"
 #include "smallrow.h"
@@ -42,6 +43,20 @@ NB_MODULE(_smallrow, m) {
       "y[t, j, :n] = x[t, j or 0] @ W[indices[t, j]] with the experts' W as float32 panels "
       "[E, NB, K, PANEL]; each selected expert's panels are read once for all its rows; threads "
       "splits the experts over that many threads.");
+  m.def(
+      "flash_attention",
+      &mtp_native::flash_attention,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "scale"_a,
+      "causal"_a,
+      "threads"_a = 1,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "softmax(scale q k^T + causal mask) v for q [B, H, L, D] and k, v [B, G, T, D] (G divides "
+      "H), fused per block of query rows; threads splits the blocks.");
+  m.def("attention_isa", &mtp_native::attention_isa, "The attention kernel path compiled in.");
   m.def("isa", &mtp_native::isa, "The kernel path compiled in: avx512, avx2 or portable.");
   m.attr("PANEL") = smallrow::kPanel;
   m.attr("MAX_BLOCK") = smallrow::kMaxBlock;

@@ -1,4 +1,4 @@
-"""Build the native extension (PanelMatmul, GatherPanelMatmul) in place: ``python -m
+"""Build the native extension (PanelMatmul, GatherPanelMatmul, FlashAttention) in place: ``python -m
 runner.native.build``.
 
 CMake + nanobind, against the mlx installed in this Python; the module lands next to this file
@@ -135,6 +135,12 @@ def _check() -> str:
         "w = np.asarray(e, np.float64)[np.asarray(i)]\n"
         "ref = np.einsum('tk,tjnk->tjn', np.asarray(x[:2], np.float64), w)\n"
         "assert np.abs(np.asarray(g) - ref).max() < 1e-3\n"
+        "assert native.attention_available()\n"
+        "q = mx.random.normal((1, 2, 3, 8)); kv = mx.random.normal((1, 1, 5, 8))\n"
+        "a = native.flash_attention(q, kv, kv, scale=1.0, causal=False)\n"
+        "s = np.asarray(q, np.float64) @ np.asarray(kv, np.float64)[0, 0].T\n"
+        "w = np.exp(s - s.max(-1, keepdims=True)); w /= w.sum(-1, keepdims=True)\n"
+        "assert np.abs(np.asarray(a) - w @ np.asarray(kv, np.float64)[0, 0]).max() < 1e-4\n"
         "print(native.isa())\n"
     )
     env = dict(os.environ)

@@ -9,8 +9,6 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <system_error>
-#include <thread>
 #include <vector>
 
 #include "kernels.h"
@@ -23,26 +21,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& what) {
   throw std::invalid_argument("[gather_panel_matmul] " + what);
-}
-
-// Copy a strided float32 view into dense row-major order (inputs that are not row-contiguous).
-void densify(const float* src, const mx::Shape& shape, const mx::Strides& strides, float* dst) {
-  const int nd = static_cast<int>(shape.size());
-  int64_t count = 1;
-  for (auto d : shape) count *= d;
-  std::vector<int64_t> idx(nd, 0);
-  int64_t loc = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    dst[i] = src[loc];
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < shape[d]) {
-        loc += strides[d];
-        break;
-      }
-      loc -= strides[d] * (shape[d] - 1);
-      idx[d] = 0;
-    }
-  }
 }
 
 // Every expert's [NB, K, P] block contiguous (the experts may lie any stride apart).
@@ -226,46 +204,8 @@ void GatherPanelMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array
         if (done * parts >= total * part) cut[part++] = a + 1;
       }
     }
-    std::vector<std::thread> workers;
-    workers.reserve(parts - 1);
-    int64_t inline_from = parts; // ranges no thread could be started for run here
-    for (int64_t t = 1; t < parts; ++t) {
-      try {
-        workers.emplace_back([&, t] { run(cut[t], cut[t + 1]); });
-      } catch (const std::system_error&) {
-        inline_from = t;
-        break;
-      }
-    }
-    run(cut[0], cut[1]);
-    if (inline_from < parts) run(cut[inline_from], count);
-    for (auto& w : workers) w.join();
+    run_parts(parts, [&](int64_t t) { run(cut[t], cut[t + 1]); });
   });
-}
-
-void GatherPanelMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("[GatherPanelMatmul] has no GPU implementation; use a CPU stream.");
-}
-
-std::vector<mx::array> GatherPanelMatmul::jvp(
-    const std::vector<mx::array>&,
-    const std::vector<mx::array>&,
-    const std::vector<int>&) {
-  throw std::runtime_error("[GatherPanelMatmul] jvp is not implemented (inference only).");
-}
-
-std::vector<mx::array> GatherPanelMatmul::vjp(
-    const std::vector<mx::array>&,
-    const std::vector<mx::array>&,
-    const std::vector<int>&,
-    const std::vector<mx::array>&) {
-  throw std::runtime_error("[GatherPanelMatmul] vjp is not implemented (inference only).");
-}
-
-std::pair<std::vector<mx::array>, std::vector<int>> GatherPanelMatmul::vmap(
-    const std::vector<mx::array>&,
-    const std::vector<int>&) {
-  throw std::runtime_error("[GatherPanelMatmul] vmap is not implemented.");
 }
 
 bool GatherPanelMatmul::is_equivalent(const mx::Primitive& other) const {

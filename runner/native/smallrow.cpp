@@ -7,8 +7,6 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <system_error>
-#include <thread>
 #include <vector>
 
 #include "kernels.h"
@@ -21,27 +19,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& what) {
   throw std::invalid_argument("[panel_matmul] " + what);
-}
-
-// Copy a strided float32 view into dense row-major order (the slow path for inputs that are
-// neither row-contiguous nor a plain [M, K] view with unit inner stride).
-void gather(const float* src, const mx::Shape& shape, const mx::Strides& strides, float* dst) {
-  const int nd = static_cast<int>(shape.size());
-  int64_t count = 1;
-  for (auto d : shape) count *= d;
-  std::vector<int64_t> idx(nd, 0);
-  int64_t loc = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    dst[i] = src[loc];
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < shape[d]) {
-        loc += strides[d];
-        break;
-      }
-      loc -= strides[d] * (shape[d] - 1);
-      idx[d] = 0;
-    }
-  }
 }
 
 } // namespace
@@ -135,14 +112,14 @@ void PanelMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
     int64_t lx = ldx;
     if (!x_dense) {
       x_buf.resize(static_cast<size_t>(M) * K);
-      gather(x_ptr, x_shape, x_strides, x_buf.data());
+      densify(x_ptr, x_shape, x_strides, x_buf.data());
       xs = x_buf.data();
       lx = K;
     }
     const float* ps = p_ptr;
     if (!p_dense) {
       p_buf.resize(static_cast<size_t>(NB) * K * smallrow::kPanel);
-      gather(p_ptr, p_shape, p_strides, p_buf.data());
+      densify(p_ptr, p_shape, p_strides, p_buf.data());
       ps = p_buf.data();
     }
     const int64_t parts = std::min<int64_t>(threads, NB);
@@ -151,49 +128,10 @@ void PanelMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
       return;
     }
     // Panels split into contiguous ranges, one per thread; the calling thread takes the first.
-    std::vector<std::thread> workers;
-    workers.reserve(parts - 1);
-    int64_t inline_from = parts; // ranges no thread could be started for run here
-    for (int64_t t = 1; t < parts; ++t) {
-      const int64_t p0 = NB * t / parts, p1 = NB * (t + 1) / parts;
-      try {
-        workers.emplace_back(
-            [=] { smallrow::panel_matmul(xs, lx, M, ps, K, n, y, n, p0, p1); });
-      } catch (const std::system_error&) {
-        inline_from = t;
-        break;
-      }
-    }
-    smallrow::panel_matmul(xs, lx, M, ps, K, n, y, n, 0, NB / parts);
-    if (inline_from < parts)
-      smallrow::panel_matmul(xs, lx, M, ps, K, n, y, n, NB * inline_from / parts, NB);
-    for (auto& w : workers) w.join();
+    run_parts(parts, [&](int64_t t) {
+      smallrow::panel_matmul(xs, lx, M, ps, K, n, y, n, NB * t / parts, NB * (t + 1) / parts);
+    });
   });
-}
-
-void PanelMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("[PanelMatmul] has no GPU implementation; use a CPU stream.");
-}
-
-std::vector<mx::array> PanelMatmul::jvp(
-    const std::vector<mx::array>&,
-    const std::vector<mx::array>&,
-    const std::vector<int>&) {
-  throw std::runtime_error("[PanelMatmul] jvp is not implemented (inference only).");
-}
-
-std::vector<mx::array> PanelMatmul::vjp(
-    const std::vector<mx::array>&,
-    const std::vector<mx::array>&,
-    const std::vector<int>&,
-    const std::vector<mx::array>&) {
-  throw std::runtime_error("[PanelMatmul] vjp is not implemented (inference only).");
-}
-
-std::pair<std::vector<mx::array>, std::vector<int>> PanelMatmul::vmap(
-    const std::vector<mx::array>&,
-    const std::vector<int>&) {
-  throw std::runtime_error("[PanelMatmul] vmap is not implemented.");
 }
 
 bool PanelMatmul::is_equivalent(const mx::Primitive& other) const {

@@ -4,8 +4,8 @@
 #pragma once
 
 #include "mlx/ops.h"
-#include "mlx/primitives.h"
 #include "mlx/utils.h"
+#include "primitive.h"
 
 namespace mtp_native {
 
@@ -22,26 +22,12 @@ mx::array panel_matmul(
     int threads = 1,
     mx::StreamOrDevice s = {});
 
-class PanelMatmul : public mx::UnaryPrimitive {
+class PanelMatmul : public InferencePrimitive {
  public:
   PanelMatmul(mx::Stream stream, int n, int threads)
-      : mx::UnaryPrimitive(stream), n_(n), threads_(threads) {}
+      : InferencePrimitive(stream), n_(n), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-
-  std::vector<mx::array> jvp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& tangents,
-      const std::vector<int>& argnums) override;
-  std::vector<mx::array> vjp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& cotangents,
-      const std::vector<int>& argnums,
-      const std::vector<mx::array>& outputs) override;
-  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
-      const std::vector<mx::array>& inputs,
-      const std::vector<int>& axes) override;
 
   const char* name() const override {
     return "PanelMatmul";

@@ -1,0 +1,95 @@
+// What the native primitives share: an inference-only MLX primitive base (no GPU, no
+// transforms), a strided-to-dense copy, and a split of work over threads.
+
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "mlx/primitives.h"
+
+namespace mtp_native {
+
+namespace mx = mlx::core;
+
+// A CPU-only forward primitive: the GPU, differentiation and vmap refuse by name.
+class InferencePrimitive : public mx::UnaryPrimitive {
+ public:
+  explicit InferencePrimitive(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    refuse("has no GPU implementation; use a CPU stream");
+  }
+  std::vector<mx::array> jvp(
+      const std::vector<mx::array>&,
+      const std::vector<mx::array>&,
+      const std::vector<int>&) override {
+    refuse("jvp is not implemented (inference only)");
+  }
+  std::vector<mx::array> vjp(
+      const std::vector<mx::array>&,
+      const std::vector<mx::array>&,
+      const std::vector<int>&,
+      const std::vector<mx::array>&) override {
+    refuse("vjp is not implemented (inference only)");
+  }
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>&,
+      const std::vector<int>&) override {
+    refuse("vmap is not implemented");
+  }
+
+ private:
+  [[noreturn]] void refuse(const char* what) const {
+    throw std::runtime_error(std::string("[") + name() + "] " + what + ".");
+  }
+};
+
+// Copy a strided float32 view into dense row-major order.
+inline void densify(
+    const float* src,
+    const mx::Shape& shape,
+    const mx::Strides& strides,
+    float* dst) {
+  const int nd = static_cast<int>(shape.size());
+  int64_t count = 1;
+  for (auto d : shape) count *= d;
+  std::vector<int64_t> idx(nd, 0);
+  int64_t loc = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    dst[i] = src[loc];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) {
+        loc += strides[d];
+        break;
+      }
+      loc -= strides[d] * (shape[d] - 1);
+      idx[d] = 0;
+    }
+  }
+}
+
+// Runs part(0) .. part(parts - 1), part 0 on the calling thread and the others on threads of
+// their own; a part no thread could be started for runs on the calling thread.
+template <typename F>
+void run_parts(int64_t parts, F&& part) {
+  std::vector<std::thread> workers;
+  std::vector<int64_t> inline_parts;
+  if (parts > 1) workers.reserve(parts - 1);
+  for (int64_t t = 1; t < parts; ++t) {
+    try {
+      workers.emplace_back([&part, t] { part(t); });
+    } catch (const std::system_error&) {
+      inline_parts.push_back(t);
+    }
+  }
+  if (parts >= 1) part(0);
+  for (auto t : inline_parts) part(t);
+  for (auto& w : workers) w.join();
+}
+
+} // namespace mtp_native

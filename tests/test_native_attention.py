@@ -1,0 +1,124 @@
+"""runner.native.flash_attention: the fused prefill attention against a float64 softmax, over
+its block and tile boundaries, strided operands, grouped heads and thread splits."""
+
+import runner  # noqa: F401, I001  (first: loads the BLAS before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runner import native
+
+pytestmark = pytest.mark.skipif(
+    not native.attention_available(), reason=native.reason() or "no fused attention"
+)
+
+
+def reference(q, k, v, scale: float, causal: bool) -> np.ndarray:
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    length, keys = q.shape[2], k.shape[2]
+    per_group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, per_group, axis=1), np.repeat(v, per_group, axis=1)
+    s = scale * np.einsum("bhld,bhtd->bhlt", q, k)
+    if causal:
+        visible = np.arange(keys)[None, :] <= (keys - length + np.arange(length))[:, None]
+        s = np.where(visible, s, -np.inf)
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("bhlt,bhtd->bhld", w / w.sum(axis=-1, keepdims=True), v)
+
+
+def operands(batch, heads, groups, length, keys, dim, seed=0, spread=3.0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, heads, length, dim), dtype=np.float32) * spread
+    k = rng.standard_normal((batch, groups, keys, dim), dtype=np.float32)
+    v = rng.standard_normal((batch, groups, keys, dim), dtype=np.float32)
+    return mx.array(q), mx.array(k), mx.array(v)
+
+
+# (batch, heads, groups, rows, keys, dim): under one block (64 rows), exactly one, one more,
+# several blocks and key tiles (64 keys), a cached prefix that leaves the diagonal inside a
+# tile, head dims that are not a multiple of the 6-wide register blocks or of 8, one key.
+SHAPES = [
+    (1, 4, 2, 5, 5, 16), (1, 9, 3, 64, 64, 64), (1, 9, 3, 65, 65, 64), (1, 9, 3, 200, 200, 64),
+    (2, 4, 2, 70, 333, 40), (1, 2, 1, 33, 129, 128), (1, 3, 3, 17, 100, 7), (1, 2, 2, 1, 1, 64),
+    (1, 6, 1, 130, 197, 80),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "all-keys"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_the_float64_softmax(shape, causal):
+    batch, heads, groups, length, keys, dim = shape
+    q, k, v = operands(*shape, seed=sum(shape))
+    got = native.flash_attention(q, k, v, scale=dim**-0.5, causal=causal)
+    assert got.shape == q.shape and got.dtype == mx.float32
+    want = reference(q, k, v, dim**-0.5, causal)
+    np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=0)
+
+
+def test_scores_far_apart_keep_their_weights():
+    """Scores spanning more than float32's exponent range: the running maximum rescales the
+    earlier tiles; nothing overflows, what underflows in the softmax underflows here too."""
+    q, k, v = operands(1, 2, 1, 150, 300, 16, seed=3, spread=40.0)
+    got = np.array(native.flash_attention(q, k, v, scale=0.25, causal=True))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, reference(q, k, v, 0.25, True), atol=2e-5, rtol=0)
+
+
+def test_strided_operands_equal_contiguous_ones():
+    """A cache's keys as a slice of a larger buffer, queries transposed from [B, L, H, D], and
+    operands whose rows are not contiguous (copied inside) give the same bits as dense ones."""
+    q, k, v = operands(1, 4, 2, 90, 150, 32, seed=5)
+    want = np.array(native.flash_attention(q, k, v, scale=0.2, causal=True))
+    buffer_k = mx.concatenate([k, mx.zeros((1, 2, 50, 32))], axis=2)
+    buffer_v = mx.concatenate([v, mx.ones((1, 2, 50, 32))], axis=2)
+    q_t = mx.contiguous(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    k_cols = mx.contiguous(k.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)  # inner stride != 1
+    got = native.flash_attention(
+        q_t, buffer_k[:, :, :150], buffer_v[:, :, :150], scale=0.2, causal=True
+    )
+    np.testing.assert_array_equal(np.array(got), want)
+    got = native.flash_attention(q, k_cols, v, scale=0.2, causal=True)
+    np.testing.assert_array_equal(np.array(got), want)
+
+
+def test_threads_and_pieces_give_the_same_bits():
+    """Each block is one thread's whole computation, so the thread count changes no bit, and
+    a causal feed cut into pieces (each with the keys up to its last row) equals the whole."""
+    q, k, v = operands(1, 9, 3, 300, 1000, 64, seed=6)
+    one = np.array(native.flash_attention(q, k, v, scale=0.125, causal=True, threads=1))
+    for threads in (2, 3, 8):
+        many = native.flash_attention(q, k, v, scale=0.125, causal=True, threads=threads)
+        np.testing.assert_array_equal(np.array(many), one)
+    pieces = [
+        native.flash_attention(
+            q[:, :, s : s + 64], k[:, :, : 700 + s + 64], v[:, :, : 700 + s + 64],
+            scale=0.125, causal=True,
+        )
+        for s in range(0, 300, 64)
+    ]  # fmt: skip
+    np.testing.assert_array_equal(np.array(mx.concatenate(pieces, axis=2)), one)
+
+
+def test_inside_compile_and_async_eval():
+    q, k, v = operands(1, 4, 2, 80, 120, 16, seed=7)
+    want = np.array(native.flash_attention(q, k, v, scale=0.25, causal=True))
+    fn = mx.compile(lambda a, b, c: native.flash_attention(a, b, c, scale=0.25, causal=True) * 2)
+    np.testing.assert_array_equal(np.array(fn(q, k, v)), want * 2)
+    out = native.flash_attention(q, k, v, scale=0.25, causal=True)
+    mx.async_eval(out)
+    np.testing.assert_array_equal(np.array(out), want)
+
+
+def test_bad_arguments_name_what_is_wrong():
+    q, k, v = operands(1, 4, 2, 8, 8, 16)
+    cases = [
+        ((q.astype(mx.float16), k, v), "float32"),
+        ((q[0], k, v), r"\[B, H, L, D\]"),
+        ((q, k[:, :1], v), "do not match"),
+        ((operands(1, 3, 2, 8, 8, 16)[0], k, v), "do not match"),
+        ((q, k[:, :, :4], v[:, :, :4]), "at least as many keys"),
+        ((q, k[:, :, :0], v[:, :, :0]), "no keys"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            native.flash_attention(*args, scale=0.25, causal=True)
