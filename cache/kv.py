@@ -225,6 +225,14 @@ class KVCache(_Buffers):
             raise ValueError(f"cannot rewind a cache at offset {self.offset} to {to}")
         self.offset = to
 
+    def keep_rows(self, rows: mx.array) -> None:
+        """Keep only the batch rows ``rows`` (int indices, in that order): one gather copy of
+        the buffers, for a batch whose finished sequences leave it. Lazy snapshots are copied
+        out first, so they keep every row."""
+        self._protect(0, self._lazy_end)
+        if self.keys is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
     def can_rewind(self, to: int) -> bool:
         """Every position below the offset stays held: any rewind is an offset move."""
         return 0 <= to <= self.offset

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mtp-runner",
         description="Serve a language model over line-delimited JSON on stdin/stdout "
         "(docs/PROTOCOL.md). Logs go to stderr.",
+        epilog="Head trainer: mtp-runner train-head MODEL --out DIR, mtp-runner eval-head MODEL "
+        "--head DIR (each with --help).",
     )
     p.add_argument(
         "--model",
@@ -166,7 +168,24 @@ def claim_stdout() -> BinaryIO:
     return os.fdopen(frames_fd, "wb")
 
 
+TRAINER_COMMANDS = ("train-head", "eval-head")
+
+
+def trainer_main(argv: list[str]) -> int:
+    """``train-head`` / ``eval-head``: the trainer (``drafting.training``) on a target loaded
+    with the runner's model code; its progress and log on stderr."""
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    from drafting.training import cli as training_cli
+    from runner.default_model import home
+    from runner.training_target import load_target
+
+    return training_cli.main(argv, load_target, home())
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TRAINER_COMMANDS:
+        return trainer_main(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr,

@@ -226,3 +226,22 @@ def test_model_branch_switch_through_snapshots_matches_a_fresh_forward(tiny_chec
     fresh = model.make_caches()
     expected, _ = model.forward(mx.array([trunk + branch_a + [7]]), fresh)
     np.testing.assert_allclose(np.array(logits[0, -1]), np.array(expected[0, -1]), atol=1e-4)
+
+
+def test_keep_rows_leaves_the_chosen_rows_and_whole_snapshots():
+    """A batch whose finished rows leave: the buffers keep rows [2, 0] in that order, appends
+    continue at the same offset, and a lazy snapshot taken before still holds all three."""
+    cache = KVCache()
+    data = np.concatenate([rows(0, 5, sign) for sign in (1.0, 2.0, 3.0)])  # 3 batch rows
+    append(cache, data)
+    snap = cache.snapshot(0, 5)
+    cache.keep_rows(mx.array([2, 0]))
+    assert cache.offset == 5 and cache.keys.shape[0] == 2
+    keys, values = held(cache, 0, 5)
+    np.testing.assert_array_equal(keys, data[[2, 0]])
+    np.testing.assert_array_equal(values, -data[[2, 0]])
+    more = rows(5, 2)
+    append(cache, np.concatenate([more, more]))
+    assert cache.offset == 7
+    assert not snap.lazy and snap.keys.shape[0] == 3
+    np.testing.assert_array_equal(np.array(snap.keys), data)

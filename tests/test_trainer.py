@@ -1,7 +1,8 @@
-"""The MTP-head trainer (scripts/train_mtp_head.py) and its parts, on small random targets.
+"""The MTP-head trainer (``mtp-runner train-head``, ``drafting.training``) and its parts, on
+small random targets.
 
-The end-to-end tests run the real script in a subprocess (generation workers, training,
-sidecar) and load its output through the runner's own head loader.
+The end-to-end tests run the real command in a subprocess (generation, training, sidecar) and
+load its output through the runner's own head loader.
 """
 
 from __future__ import annotations
@@ -19,27 +20,18 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from cache.kv import KVCache
+from drafting.session import DraftSession
+from drafting.training import chain, dataset, generate, nphead, prompts, train
+from drafting.training.config import TrainingError
+from drafting.training.nphead import NumpyHead
+from drafting.training.sidecar import build_head
+from runner.heads import load_draft_head
+from runner.loader import load_model
+from runner.sampler import Sampler, SamplingParams
+from runner.training_target import RunnerTarget
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "scripts")
-sys.path.insert(0, SCRIPTS)
-
-from mtp_training import (  # noqa: E402
-    chain,
-    dataset,
-    generate,
-    nphead,  # noqa: E402
-    prompts,
-    train,
-)
-from mtp_training.nphead import NumpyHead  # noqa: E402
-from mtp_training.npmodel import NumpyLlama  # noqa: E402
-from mtp_training.sidecar import build_head  # noqa: E402
-
-from cache.kv import KVCache  # noqa: E402
-from drafting.session import DraftSession  # noqa: E402
-from runner.heads import load_draft_head  # noqa: E402
-from runner.loader import load_model  # noqa: E402
-from runner.sampler import Sampler, SamplingParams  # noqa: E402
 
 CHAT = "chatml"  # the test tokenizer knows <|im_start|> / <|im_end|>
 
@@ -67,20 +59,26 @@ def write_prompt_set(directory) -> str:
     return str(directory)
 
 
-def run_script(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def train_command(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``mtp-runner train-head ARGV`` (its log and progress go to stderr)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(SCRIPTS, "train_mtp_head.py"), *argv],
+    return subprocess.run(
+        [sys.executable, "-m", "runner", "train-head", *argv],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
     )  # fmt: skip
+
+
+def run_script(*argv: str, timeout: int = 120) -> str:
+    """A successful ``train-head`` run's stderr (the log)."""
+    proc = train_command(*argv, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+    return proc.stderr
 
 
 def trainer_args(target: str, prompt_dir: str, work: str, out: str, *extra: str) -> list[str]:
     return [
         target, "--out", out, "--work-dir", work, "--prompts-dir", prompt_dir,
-        "--template", CHAT, "--max-new-tokens", "20", "--gen-batch", "4", "--gen-workers", "2",
+        "--template", CHAT, "--max-new-tokens", "20", "--gen-batch", "4",
         "--draft-vocab", "48", "--batch", "256", "--warmup", "2", "--eval-every", "5",
         "--checkpoint-every", "5", *extra,
     ]  # fmt: skip
@@ -92,8 +90,8 @@ def trained(tiny_checkpoint, tmp_path_factory):
     base = tmp_path_factory.mktemp("trainer")
     prompt_dir = write_prompt_set(base / "prompts")
     work, out = str(base / "work"), str(base / "head")
-    proc = run_script(*trainer_args(tiny_checkpoint, prompt_dir, work, out, "--steps", "24"))
-    return tiny_checkpoint, prompt_dir, work, out, proc.stdout
+    log = run_script(*trainer_args(tiny_checkpoint, prompt_dir, work, out, "--steps", "24"))
+    return tiny_checkpoint, prompt_dir, work, out, log
 
 
 # -- the end-to-end run -----------------------------------------------------------------------
@@ -138,11 +136,11 @@ def test_sidecar_loads_through_the_runner_and_drafts_like_the_trained_head(train
     with open(os.path.join(out, "config.json")) as f:
         recorded = json.load(f)["training"]["heldout_acceptance"]
     assert abs(trained_agreement - recorded) < 0.05  # float16 storage may flip a near-tie
-    fresh = build_head(load_model(target).model, head.config.draft_vocab)
+    fresh = build_head(RunnerTarget(target, tune=False), head.config.draft_vocab)
     assert trained_agreement > train.agreement(fresh, batches) + 0.2
 
     # Drafting with the loaded head as the runner does: tokens from the draft vocabulary.
-    ev = chain.evaluate_chain(head, NumpyLlama(loaded.model), seqs, depth=3, sampling=None)
+    ev = chain.evaluate_chain(head, RunnerTarget(target), seqs, depth=3, sampling=None)
     assert abs(ev["conditional"][0] - trained_agreement) < 1e-6
 
 
@@ -170,7 +168,7 @@ def test_chain_eval_counts_what_the_runners_draft_session_proposes(trained, voca
             if drafts[j] != seq.argmax[t + j + 1]:
                 break
     assert tries[0] >= 10 and 0 < hits[0]
-    ev = chain.evaluate_chain(head, NumpyLlama(loaded.model), [seq], depth, sampling=None)
+    ev = chain.evaluate_chain(head, RunnerTarget(target), [seq], depth, sampling=None)
     assert ev["positions"] == tries[0]
     expected = [h / n if n else None for h, n in zip(hits, tries, strict=True)]
     assert ev["conditional"] == pytest.approx(expected)
@@ -185,9 +183,9 @@ def test_resume_continues_where_training_stopped(trained, tmp_path):
     run_script(*trainer_args(target, prompt_dir, work, split, "--steps", "10", "--stop-after", "5",
                              "--stage", "train"))  # fmt: skip
     assert not os.path.exists(os.path.join(split, "config.json"))
-    proc = run_script(*trainer_args(target, prompt_dir, work, split, "--steps", "10", "--resume",
-                                    "--stage", "train"))  # fmt: skip
-    assert "resumed at step 5/10" in proc.stdout
+    log = run_script(*trainer_args(target, prompt_dir, work, split, "--steps", "10", "--resume",
+                                   "--stage", "train"))  # fmt: skip
+    assert "resumed at step 5/10" in log
     a = mx.load(os.path.join(straight, "mtp.safetensors"))
     b = mx.load(os.path.join(split, "mtp.safetensors"))
     for name in a:
@@ -197,16 +195,16 @@ def test_resume_continues_where_training_stopped(trained, tmp_path):
 def test_training_can_continue_from_a_written_head(trained, tmp_path):
     target, prompt_dir, work, out, _ = trained
     more = str(tmp_path / "more")
-    proc = run_script(*trainer_args(target, prompt_dir, work, more, "--steps", "4",
-                                    "--init-head", out, "--stage", "train"))  # fmt: skip
-    assert f"starting from the head in {out}" in proc.stdout
+    log = run_script(*trainer_args(target, prompt_dir, work, more, "--steps", "4",
+                                   "--init-head", out, "--stage", "train"))  # fmt: skip
+    assert f"starting from the head in {out}" in log
     with open(os.path.join(out, "config.json")) as f:
         first = json.load(f)["training"]
     with open(os.path.join(more, "config.json")) as f:
         second = json.load(f)["training"]
     assert second["continued_from"]["steps"] == first["steps"] == 24
     assert second["train_minutes"] >= first["train_minutes"]
-    start = [ln for ln in proc.stdout.splitlines() if "step 0/4" in ln][0]
+    start = [ln for ln in log.splitlines() if "step 0/4" in ln][0]
     assert float(start.split()[-1]) == pytest.approx(first["heldout_acceptance"], abs=0.05)
     a = mx.load(os.path.join(out, "mtp.safetensors"))["mtp.draft_vocab"]
     b = mx.load(os.path.join(more, "mtp.safetensors"))["mtp.draft_vocab"]
@@ -215,17 +213,15 @@ def test_training_can_continue_from_a_written_head(trained, tmp_path):
 
 def test_generation_is_cached_and_a_changed_plan_is_refused(trained):
     target, prompt_dir, work, out, _ = trained
-    proc = subprocess.run(
-        [sys.executable, os.path.join(SCRIPTS, "train_mtp_head.py"),
-         *trainer_args(target, prompt_dir, work, out, "--stage", "generate",
-                       "--max-new-tokens", "21")],
-        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT),
-    )  # fmt: skip
-    assert proc.returncode != 0 and "another plan" in proc.stdout + proc.stderr
+    proc = train_command(*trainer_args(target, prompt_dir, work, out, "--stage", "generate",
+                                       "--max-new-tokens", "21"), timeout=60)  # fmt: skip
+    # A TrainingError: exit status 1 and one line naming the cause, no traceback.
+    assert proc.returncode == 1 and "another plan" in proc.stderr
+    assert "Traceback" not in proc.stderr
     again = run_script(*trainer_args(target, prompt_dir, work, out, "--stage", "generate"))
     planned = len(dataset.read_plan(work)[0])
-    assert f"in {planned} batches ({planned} cached)" in again.stdout
-    assert "[gen w" not in again.stdout  # nothing regenerated
+    assert f"in {planned} batches ({planned} cached)" in again
+    assert "generate [" not in again  # nothing regenerated
 
 
 def test_adding_prompts_extends_the_cached_plan(trained, tmp_path):
@@ -238,7 +234,7 @@ def test_adding_prompts_extends_the_cached_plan(trained, tmp_path):
     with open(os.path.join(prompts2, "templates_added.json"), "w") as f:
         json.dump(spec, f)
     before = dataset.read_plan(work2)[0]
-    proc = run_script(*trainer_args(target, prompts2, work2, out, "--stage", "generate"))
+    log = run_script(*trainer_args(target, prompts2, work2, out, "--stage", "generate"))
     after = dataset.read_plan(work2)[0]
     assert after[: len(before)] == [
         [dataclasses.replace(j, prompt_index=a.prompt_index) for j, a in zip(b, nb, strict=True)]
@@ -246,7 +242,7 @@ def test_adding_prompts_extends_the_cached_plan(trained, tmp_path):
     ]  # the cached batches keep their jobs
     added = [j for b in after[len(before) :] for j in b]
     assert len(added) == 6 and not any(j.heldout for j in added)  # 3 prompts x (greedy, T>0)
-    assert f"({len(before)} cached)" in proc.stdout
+    assert f"({len(before)} cached)" in log
     seqs = dataset.load_sequences(work2)
     texts = {p.index: p.text for p in prompts.load_prompt_set(prompts2)}
     assert sum(texts[s.prompt_index].startswith("to ") for s in seqs) == 6
@@ -265,19 +261,49 @@ def test_adding_prompts_extends_the_cached_plan(trained, tmp_path):
                                     "original_max_position_embeddings": 64}}),
     ],
 )  # fmt: skip
-def test_numpy_forward_matches_the_mlx_model(checkpoint_factory, model_type, extra):
-    loaded = load_model(checkpoint_factory(model_type, seed=5, **extra))
-    tokens = np.array([[5, 17, 101, 33, 7, 250, 12, 9, 64, 3, 8, 200]])
-    ref = np.array(loaded.model.hidden(mx.array(tokens), loaded.model.make_caches()))
-    target = NumpyLlama(loaded.model)
-    cache = target.new_cache(1, 32)
-    got = target.hidden(tokens[:, :8], cache, 0, generate.prefill_mask(np.array([0]), 8))
-    assert np.abs(got - ref[:, :8]).max() < 1e-4
-    for t in range(8, 12):  # then one position at a time from the cache
-        step = target.hidden(
-            tokens[:, t : t + 1], cache, t, generate.step_mask(np.array([0]), t + 1)
-        )
-        assert np.abs(step[:, 0] - ref[:, t]).max() < 1e-4
+def test_trainer_target_features_equal_the_runners_forward(checkpoint_factory, model_type, extra):
+    """The trainer's target (the runner's model, laid out and compiled for serving speed) over
+    a left-padded batch, prefill then cached steps, gives each row the hiddens the runner's
+    plain forward gives that sequence alone."""
+    check_target_features(checkpoint_factory(model_type, seed=5, **extra))
+
+
+def check_target_features(path: str) -> None:
+    plain = load_model(path).model
+    target = RunnerTarget(path)
+    rows = [[5, 17, 101, 33, 7, 250, 12, 9, 64, 3, 8, 200], [44, 9, 18, 71, 2, 90, 6, 31]]
+    width = 8  # prompt columns: row 1's 8 tokens and row 0's first 4, left-padded
+    prompts_ = [rows[0][:4], rows[1]]
+    pads = np.array([width - len(p) for p in prompts_])
+    grid = np.array([[0] * pads[b] + p for b, p in enumerate(prompts_)])
+    cache = target.new_cache(2, 32)
+    got = target.hidden(grid, cache, 0, generate.prefill_mask(pads, width))
+    want = [np.array(plain.hidden(mx.array([r]), plain.make_caches()))[0] for r in rows]
+    for b, p in enumerate(prompts_):
+        assert np.abs(got[b, pads[b] :] - want[b][: len(p)]).max() < 1e-4
+    for step in range(4):  # then one position at a time from the cache, row 0 continuing
+        feed = np.array([[rows[0][4 + step]], [rows[1][step % 8]]])
+        h = target.hidden(feed, cache, width + step, generate.step_mask(pads, width + step + 1))
+        assert np.abs(h[0, 0] - want[0][4 + step]).max() < 1e-4
+    assert np.abs(target.logits(got[1]) - np.array(plain.unembed(mx.array(want[1])))).max() < 1e-3
+
+
+def test_trainer_target_features_of_moe_and_quantized_targets():
+    """qwen3_moe (sparse and dense layers) and a Q8-quantized llama through the same check."""
+    for name in ("moe/qwen3_moe", "llama_q8"):
+        check_target_features(os.path.join(ROOT, "tests", "fixtures", "reference", name))
+
+
+def test_targets_the_trainer_cannot_drive_are_refused_by_name():
+    """Left-padded batches cannot drive recurrent or sliding-window layers: refused at load,
+    naming the family and the path."""
+    for name in ("hybrid/qwen3_5_vl", "mistral_sliding"):
+        path = os.path.join(ROOT, "tests", "fixtures", "reference", name)
+        with pytest.raises(TrainingError, match="recurrent or sliding-window") as raised:
+            RunnerTarget(path)
+        assert path in str(raised.value)
+    with pytest.raises(TrainingError, match="cannot load the target"):
+        RunnerTarget(os.path.join(ROOT, "no-such-model"))
 
 
 def test_left_padded_batch_generation_matches_single_sequences(tiny_checkpoint):
@@ -285,7 +311,7 @@ def test_left_padded_batch_generation_matches_single_sequences(tiny_checkpoint):
     tok = loaded.tokenizer
     texts = ["hello there", "the capital of France is", "a"]
     ids = [tok.encode(prompts.render(CHAT, t)) for t in texts]
-    target = NumpyLlama(loaded.model)
+    target = RunnerTarget(tiny_checkpoint)
     seqs = generate.generate_batch(
         target, ids, [0.0, 0.0, 0.0], prompt_ids=[0, 1, 2], max_new_tokens=12,
         eos_ids=set(tok.eos_ids),
@@ -323,10 +349,10 @@ def _mlx_loss(head, batch, loss: str, reg: float) -> mx.array:
     ],
 )
 def test_numpy_head_gradients_match_mlx_autograd(checkpoint_factory, model_type, extra, loss, reg):
-    model = load_model(checkpoint_factory(model_type, seed=7, **extra)).model
+    target = RunnerTarget(checkpoint_factory(model_type, seed=7, **extra), tune=False)
     mx.random.seed(3)
-    head = build_head(model, list(range(0, 300, 3)))  # a 100-token draft vocabulary
-    trainer = NumpyHead(head, model)
+    head = build_head(target, list(range(0, 300, 3)))  # a 100-token draft vocabulary
+    trainer = NumpyHead(head, target)
     rng = np.random.default_rng(1)
     batch = train.Batch(
         tokens=rng.integers(0, 300, (2, 9)).astype(np.int32),
@@ -357,9 +383,9 @@ def test_numpy_head_gradients_match_mlx_autograd(checkpoint_factory, model_type,
 
 
 def test_dropout_gradients_match_finite_differences(tiny_checkpoint):
-    model = load_model(tiny_checkpoint).model
+    target = RunnerTarget(tiny_checkpoint, tune=False)
     mx.random.seed(4)
-    trainer = NumpyHead(build_head(model, list(range(0, 300, 3))), model)
+    trainer = NumpyHead(build_head(target, list(range(0, 300, 3))), target)
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, 300, (2, 7)).astype(np.int32)
     hiddens = rng.normal(size=(2, 7, 64)).astype(np.float16)
@@ -436,24 +462,6 @@ def test_pairs_are_labelled_with_the_targets_choice_two_tokens_ahead():
 # -- a mixture-of-experts target --------------------------------------------------------------
 
 MOE_TARGET = os.path.join(ROOT, "tests", "fixtures", "reference", "moe", "qwen3_moe")
-
-
-def test_numpy_forward_of_a_moe_target_matches_the_mlx_model():
-    """qwen3_moe (sparse and dense layers, softmax top-k): the NumPy target the generator runs
-    computes the MLX model's hiddens, prefill and cached steps alike."""
-    loaded = load_model(MOE_TARGET)
-    tokens = np.array([[5, 17, 101, 33, 7, 250, 12, 9, 64, 3, 8, 200]])
-    ref = np.array(loaded.model.hidden(mx.array(tokens), loaded.model.make_caches()))
-    target = NumpyLlama(loaded.model)
-    assert "moe" in target.layers[0] and "moe" not in target.layers[1]
-    cache = target.new_cache(1, 32)
-    got = target.hidden(tokens[:, :8], cache, 0, generate.prefill_mask(np.array([0]), 8))
-    assert np.abs(got - ref[:, :8]).max() < 1e-4
-    for t in range(8, 12):
-        step = target.hidden(
-            tokens[:, t : t + 1], cache, t, generate.step_mask(np.array([0]), t + 1)
-        )
-        assert np.abs(step[:, 0] - ref[:, t]).max() < 1e-4
 
 
 def test_a_head_trained_for_a_moe_target_loads_and_drafts_losslessly(tmp_path):

@@ -22,8 +22,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import dataset
+from .config import TrainConfig, TrainingError
 from .nphead import Adam, NumpyHead, hidden_regression, loss_and_grad
+from .progress import Progress, log
 from .sidecar import build_head, match_residual_scale, write_head
+from .target import Target
 
 
 def checkpoint_path(work_dir: str, out: str) -> str:
@@ -237,25 +240,21 @@ def epoch_order(n_batches: int, epoch: int, seed: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n_batches)
 
 
-def train_and_write(args, work_dir: str) -> dict | None:
-    """Train a head on the cached data in ``work_dir`` and write the sidecar to ``args.out``."""
-    from runner.loader import load_model
-
+def train_and_write(args: TrainConfig, target: Target) -> dict | None:
+    """Train a head on the cached data in ``args.work_dir`` and write the sidecar to
+    ``args.out``; None when stopped early (``stop_after``: continue with ``resume``)."""
     t0 = time.time()
-    loaded = load_model(args.target)
-    model = loaded.model
+    work_dir, model = args.work_dir, target.model
     seqs = dataset.load_sequences(work_dir, partial=args.partial)
     train_seqs = [s for s in seqs if not s.heldout]
     held_seqs = [s for s in seqs if s.heldout]
     vocab_size = model.args.vocab_size
     start_head = None
     if args.init_head:  # continue training a written head, on its own draft vocabulary
-        from runner.heads import load_draft_head
-
-        start_head, _ = load_draft_head(loaded, args.init_head)
+        start_head, _ = target.load_head(args.init_head)
         vocab = list(start_head.config.draft_vocab)
     else:
-        eos = sorted(loaded.tokenizer.eos_ids)
+        eos = sorted(target.tokenizer.eos_ids)
         vocab = choose_vocab(train_seqs, args.draft_vocab, vocab_size, eos)
     index = np.full(vocab_size, -1, dtype=np.int64)
     index[vocab] = np.arange(len(vocab))
@@ -264,10 +263,9 @@ def train_and_write(args, work_dir: str) -> dict | None:
     answer_pairs = sum(len(e.tokens) - e.first_loss for e in train_ex)
     cov_train = coverage(train_seqs, vocab, vocab_size)
     cov_held = coverage(held_seqs, vocab, vocab_size) if held_seqs else float("nan")
-    print(
+    log(
         f"[train] {len(train_ex)} sequences, {answer_pairs} training pairs; draft vocab "
-        f"{len(vocab)} covers {cov_train:.3f} of training labels, {cov_held:.3f} held-out",
-        flush=True,
+        f"{len(vocab)} covers {cov_train:.3f} of training labels, {cov_held:.3f} held-out"
     )
     groups = make_batches(train_ex, args.batch)
     held_batches = [
@@ -278,15 +276,15 @@ def train_and_write(args, work_dir: str) -> dict | None:
     total = args.steps or max(1, math.ceil(args.epochs * steps_per_epoch))
 
     mx.random.seed(args.seed)  # fc's random init
-    head = build_head(model, vocab)
+    head = build_head(target, vocab)
     if start_head is not None:
         head.load_weights(list(tree_flatten(start_head.parameters())), strict=True)
-        print(f"[train] starting from the head in {args.init_head}", flush=True)
+        log(f"[train] starting from the head in {args.init_head}")
     elif args.fc_init == "residual":
         sample = max(train_seqs, key=lambda s: len(s.tokens)).tokens[:256].tolist()
-        factor = match_residual_scale(head, model, sample)
-        print(f"[train] fc init scaled x{factor:.1f} to the last layer's input RMS", flush=True)
-    trainer = NumpyHead(head, model)
+        factor = match_residual_scale(head, target, sample)
+        log(f"[train] fc init scaled x{factor:.1f} to the last layer's input RMS")
+    trainer = NumpyHead(head, target)
     opt = Adam(trainer.params, args.lr, args.warmup, total, weight_decay=args.weight_decay,
                relative=args.lr_mode == "relative")  # fmt: skip
     meta = {"vocab": vocab, "total": total, "loss": args.loss, "seed": args.seed,
@@ -297,9 +295,9 @@ def train_and_write(args, work_dir: str) -> dict | None:
     if args.resume and os.path.exists(ckpt):
         saved = load_checkpoint(ckpt, trainer, opt)
         if {k: saved.get(k) for k in meta} != meta:
-            raise SystemExit("checkpoint was made with other training options; drop --resume")
+            raise TrainingError("the checkpoint was made with other training options; drop resume")
         step, elapsed_before = saved["step"], saved.get("train_seconds", 0.0)
-        print(f"[train] resumed at step {step}/{total}", flush=True)
+        log(f"[train] resumed at step {step}/{total}")
     history = []
     start = time.time()
     running, pairs_seen = None, 0
@@ -307,7 +305,8 @@ def train_and_write(args, work_dir: str) -> dict | None:
     def measure() -> float:
         return np_agreement(trainer, held_batches) if held_batches else float("nan")
 
-    print(f"[train] step {step}/{total}  held-out agreement {measure():.4f}", flush=True)
+    log(f"[train] step {step}/{total}  held-out agreement {measure():.4f}")
+    bar = Progress("train", total - step, "steps")
     while step < total:
         order = epoch_order(steps_per_epoch, step // steps_per_epoch, args.seed)
         members = groups[order[step % steps_per_epoch]]
@@ -318,21 +317,23 @@ def train_and_write(args, work_dir: str) -> dict | None:
         pairs_seen += batch.pairs
         running = value if running is None else 0.9 * running + 0.1 * value
         history.append(value)
+        bar.update(1, f"loss {running:.4f}")
         if step % args.eval_every == 0 or step == total:
             minutes = (time.time() - start + elapsed_before) / 60
-            print(
+            log(
                 f"[train] step {step}/{total}  epoch {step / steps_per_epoch:.2f}  pairs "
                 f"{pairs_seen}  loss {running:.4f}  held-out agreement {measure():.4f}  "
-                f"{minutes:.1f} min",
-                flush=True,
+                f"{minutes:.1f} min"
             )
         stop = bool(args.stop_after) and step >= args.stop_after
         if step % args.checkpoint_every == 0 or step == total or stop:
             spent = time.time() - start + elapsed_before
             save_checkpoint(ckpt, trainer, opt, step, {**meta, "train_seconds": spent})
         if stop and step < total:
-            print(f"[train] stopped at step {step}; continue with --resume", flush=True)
+            bar.close()
+            log(f"[train] stopped at step {step}; continue with resume")
             return None
+    bar.close()
     train_seconds = time.time() - start + elapsed_before
     final_acc = measure()
     head.load_weights(trainer.to_head_weights(), strict=True)
@@ -352,11 +353,10 @@ def train_and_write(args, work_dir: str) -> dict | None:
         )
         record["continued_from"] = earlier
     record["minutes"] = round(record["generation_minutes"] + record["train_minutes"], 2)
-    write_head(args.out, head, model, record)
-    print(
+    write_head(args.out, head, target, record)
+    log(
         f"[train] wrote {args.out}: held-out position-1 agreement {final_acc:.4f}, "
-        f"{(time.time() - t0) / 60:.1f} min",
-        flush=True,
+        f"{(time.time() - t0) / 60:.1f} min"
     )
     return record
 

@@ -1,8 +1,7 @@
 """The generation plan, the on-disk cache of generated batches, and loading it back.
 
 Generation is the slow part, so every batch lands in its own file under the work dir
-(``gen-00042.npz``, written atomically) and a rerun skips the batches already there. Batches
-are dealt round-robin to worker processes that each use one BLAS thread.
+(``gen-00042.npz``, written atomically) and a rerun skips the batches already there.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from .config import TrainingError
 
 PLAN_FILE = "plan.json"
 
@@ -65,9 +66,9 @@ def prepare_plan(work_dir: str, jobs: list[Job], settings: GenSettings) -> list[
         wanted = {_key(j): j for j in jobs}
         have = {_key(j) for b in old for j in b}
         if old_settings != settings or not have <= set(wanted):
-            raise SystemExit(
+            raise TrainingError(
                 f"{work_dir} holds data generated with another plan (prompts, template or "
-                "generation options differ); use a fresh --work-dir or delete it"
+                "generation options differ); use a fresh work dir or delete it"
             )
         # Prompt indices follow the current prompt set; the batches keep their jobs.
         batches = [[wanted[_key(j)] for j in b] for b in old]
@@ -133,7 +134,7 @@ def load_sequences(work_dir: str, partial: bool = False) -> list[Sequence]:
         if not os.path.exists(path):
             if partial:
                 continue
-            raise SystemExit(f"missing generated batch {path}; run generation first")
+            raise TrainingError(f"missing generated batch {path}; run generation first")
         with np.load(path) as z:
             tok_off = np.concatenate([[0], np.cumsum(z["lengths"])])
             hid_off = np.concatenate([[0], np.cumsum(z["lengths"] - 1)])

@@ -3,20 +3,22 @@
 Every fed position t yields the target's post-final-norm hidden h_t and its argmax a_t (the
 target's own prediction of token t+1), so no separate teacher-forced pass is needed. Prompts
 are left-padded into one batch; RoPE is relative, so the padding shift does not change what a
-row attends to, and an additive mask hides the pad columns. The forward pass is
-``npmodel.NumpyLlama`` (see there for why NumPy).
+row attends to, and an additive mask hides the pad columns. The forward pass is the
+target's own, from the caller (``target.Target``: the runner's model code); the sampling runs
+in NumPy. Generation uses every core in one process (the forward's products are threaded).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 
 import numpy as np
 
 from .dataset import Sequence, batch_path, read_plan, save_batch
-from .npmodel import NEG, NumpyLlama
+from .npops import NEG
+from .progress import Progress
+from .target import Target
 
 
 def prefill_mask(pads: np.ndarray, length: int) -> np.ndarray:
@@ -78,7 +80,7 @@ def draw(
 
 
 def generate_batch(
-    target: NumpyLlama,
+    target: Target,
     prompts: list[list[int]],
     temperatures: list[float],
     *,
@@ -118,8 +120,7 @@ def generate_batch(
         if live.sum() <= 0.75 * len(rows):  # drop finished rows from the batch
             keep = np.nonzero(live)[0]
             rows = rows[keep]
-            for kv in cache:
-                kv[0], kv[1] = kv[0][keep], kv[1][keep]
+            target.keep_rows(cache, keep)
         feed = np.array([[out_tokens[r][-1]] for r in rows], dtype=np.int64)
         h = target.hidden(feed, cache, offset, step_mask(pads[rows], offset + 1))[:, 0]
         offset += 1
@@ -150,24 +151,17 @@ def generate_batch(
     return seqs
 
 
-def generate_worker(work_dir: str, worker: int, workers: int, log_every: float = 60.0) -> None:
-    """Generate this worker's share of the plan's missing batches (runs in a child process)."""
-    from runner.loader import load_model
-
+def run_generation(work_dir: str, target: Target) -> float:
+    """Generate the plan's missing batches with ``target``; return the seconds it took."""
     batches, settings = read_plan(work_dir)
-    todo = [
-        i
-        for i in range(len(batches))
-        if i % workers == worker and not os.path.exists(batch_path(work_dir, i))
-    ]
+    todo = [i for i in range(len(batches)) if not os.path.exists(batch_path(work_dir, i))]
+    start = time.time()
     if not todo:
-        return
-    loaded = load_model(settings.target)
-    eos = set(loaded.tokenizer.eos_ids)
-    target = NumpyLlama(loaded.model)
-    del loaded
-    start, made, last = time.time(), 0, 0.0
-    for n, i in enumerate(todo):
+        return 0.0
+    eos = set(target.tokenizer.eos_ids)
+    bar = Progress("generate", sum(len(batches[i]) for i in todo), "answers")
+    made = 0
+    for i in todo:
         jobs = batches[i]
         seqs = generate_batch(
             target,
@@ -182,33 +176,7 @@ def generate_worker(work_dir: str, worker: int, workers: int, log_every: float =
         )
         save_batch(batch_path(work_dir, i), seqs)
         made += sum(s.answer_len for s in seqs)
-        now = time.time()
-        if now - last >= log_every or n == len(todo) - 1:
-            last = now
-            rate = made / max(now - start, 1e-9)
-            print(
-                f"[gen w{worker}] batch {n + 1}/{len(todo)}  answer tokens {made}  "
-                f"{rate:.1f} tok/s",
-                flush=True,
-            )
-
-
-def run_generation(work_dir: str, workers: int) -> float:
-    """Fill the cache with ``workers`` processes (one BLAS thread each); return seconds."""
-    start = time.time()
-    if workers <= 1:
-        generate_worker(work_dir, 0, 1)
-        return time.time() - start
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=generate_worker, args=(work_dir, w, workers)) for w in range(workers)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    failed = [p.exitcode for p in procs if p.exitcode != 0]
-    if failed:
-        raise SystemExit(f"generation worker failed (exit codes {failed})")
+        rate = made / max(time.time() - start, 1e-9)
+        bar.update(len(jobs), f"{made} answer tokens, {rate:.1f} tok/s")
+    bar.close()
     return time.time() - start

@@ -1,6 +1,7 @@
-"""The prompt set in scripts/prompts/: slot templates expanded deterministically, plus
-hand-written prompts. Files marked ``"heldout": true`` (and ``heldout_*.txt``) are never used
-for training; evaluation reads only them, so it measures prompts from unseen templates.
+"""The prompt set (``prompts/`` beside this file, package data): slot templates expanded
+deterministically, plus hand-written prompts. Files marked ``"heldout": true`` (and
+``heldout_*.txt``) are never used for training; evaluation reads only them, so it measures
+prompts from unseen templates.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import random
 from dataclasses import dataclass
 
-PROMPT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "prompts")
+from .config import PROMPT_DIR
 
 CHATML_SMOL = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -71,7 +71,7 @@ class ChainResult:
 
 def evaluate_chain(
     head,
-    target_np,
+    target,
     seqs: list[Sequence],
     depth: int,
     sampling: SamplingOptions | None,
@@ -81,18 +81,18 @@ def evaluate_chain(
     result = ChainResult(depth)
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].prompt_len)
     for start in range(0, len(order), batch_size):
-        _run_batch(head, target_np, [seqs[i] for i in order[start : start + batch_size]],
+        _run_batch(head, target, [seqs[i] for i in order[start : start + batch_size]],
                    depth, sampling, result)  # fmt: skip
     return result.summary()
 
 
-def _target_dists(target_np, seq: Sequence, sampling: SamplingOptions):
+def _target_dists(target, seq: Sequence, sampling: SamplingOptions):
     """Processed target distributions at every fed position of ``seq`` (sparse)."""
-    logits = target_np.logits(seq.hiddens.astype(np.float32))
+    logits = target.logits(seq.hiddens.astype(np.float32))
     return processed_topk(logits, sampling.temperature, sampling.top_k, sampling.top_p)
 
 
-def _run_batch(head, target_np, seqs, depth, sampling, result: ChainResult) -> None:
+def _run_batch(head, target, seqs, depth, sampling, result: ChainResult) -> None:
     vocab = np.array(head.config.draft_vocab) if head.config.draft_vocab is not None else None
     vocab_ids = head.draft_vocab_ids  # the same ids on the device
     batch = len(seqs)
@@ -105,10 +105,10 @@ def _run_batch(head, target_np, seqs, depth, sampling, result: ChainResult) -> N
     for b, s in enumerate(seqs):
         tok[b, pads[b] : pads[b] + len(s.tokens)] = s.tokens
         hid[b, pads[b] : pads[b] + len(s.hiddens)] = s.hiddens
-    dists = [_target_dists(target_np, s, sampling) for s in seqs] if sampling else None
+    dists = [_target_dists(target, s, sampling) for s in seqs] if sampling else None
 
     def full_vocabulary(y: mx.array) -> mx.array:  # a head without a draft vocabulary
-        return mx.array(target_np.logits(np.array(y, dtype=np.float32)))
+        return mx.array(target.logits(np.array(y, dtype=np.float32)))
 
     cache = KVCache()
     # Committed pairs before the first frontier: columns 0..width-2 (pair c = (t_{c+1}, h_c)).

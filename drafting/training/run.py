@@ -1,0 +1,171 @@
+"""The trainer's two commands as library calls: ``train_head`` (generate the target's answers,
+then train and write a head) and ``eval_head`` (a written head on the held-out prompts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from . import dataset, prompts
+from .chain import SamplingOptions, evaluate_chain
+from .config import EvalConfig, TrainConfig
+from .generate import run_generation
+from .progress import log
+from .target import LoadTarget, Target
+from .train import train_and_write
+
+
+def select_prompts(items: list[prompts.Prompt], cap: int) -> list[prompts.Prompt]:
+    """At most ``cap`` prompts, taken round-robin across templates so small runs stay diverse."""
+    if cap <= 0 or cap >= len(items):
+        return items
+    by_template: dict[str, list[prompts.Prompt]] = {}
+    for it in items:
+        by_template.setdefault(it.template, []).append(it)
+    queues = list(by_template.values())
+    picked: list[prompts.Prompt] = []
+    depth = 0
+    while len(picked) < cap:
+        for q in queues:
+            if depth < len(q) and len(picked) < cap:
+                picked.append(q[depth])
+        depth += 1
+    return sorted(picked, key=lambda it: it.index)
+
+
+def build_jobs(cfg: TrainConfig, tokenizer) -> tuple[list[dataset.Job], dict]:
+    """The generation jobs and the record of which prompts and templates they use."""
+    all_prompts = prompts.load_prompt_set(cfg.prompts_dir, cfg.max_per_template, cfg.seed)
+    train, heldout = prompts.split_prompts(all_prompts)
+    train = select_prompts(train, cfg.max_prompts)
+    heldout = select_prompts(heldout, cfg.max_heldout)
+    jobs = []
+    for p in train:
+        ids = tokenizer.encode(prompts.render(cfg.template, p.text))
+        jobs += [dataset.Job(p.index, t, ids, False) for t in cfg.temperatures]
+    for p in heldout:  # greedy only: held-out agreement during training
+        ids = tokenizer.encode(prompts.render(cfg.template, p.text))
+        jobs.append(dataset.Job(p.index, 0.0, ids, True))
+    record = {
+        "train": prompts.describe(train),
+        "heldout": prompts.describe(heldout),
+        "template": cfg.template,
+    }
+    return jobs, record
+
+
+def _settings(target: str, max_new_tokens: int, batch: int, top_k: int, seed: int, top_p: float):
+    return dataset.GenSettings(
+        target=os.path.abspath(os.path.expanduser(target)), max_new_tokens=max_new_tokens,
+        batch_size=batch, top_k=top_k, seed=seed, top_p=top_p,
+    )  # fmt: skip
+
+
+def generate(cfg: TrainConfig, target: Target) -> dict:
+    """Fill the work dir with the target's answers to the training and held-out prompts."""
+    jobs, record = build_jobs(cfg, target.tokenizer)
+    settings = _settings(
+        cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p
+    )
+    batches = dataset.prepare_plan(cfg.work_dir, jobs, settings)
+    with open(os.path.join(cfg.work_dir, "prompts.json"), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+    have = dataset.cached_batches(cfg.work_dir)
+    log(
+        f"[gen] {record['train']['prompts']} training prompts from "
+        f"{record['train']['templates']} templates, {record['heldout']['prompts']} held-out; "
+        f"{len(jobs)} answers in {len(batches)} batches ({have} cached)"
+    )
+    seconds = run_generation(cfg.work_dir, target)
+    stats_path = os.path.join(cfg.work_dir, "gen_stats.json")
+    stats = {}
+    if os.path.exists(stats_path):
+        with open(stats_path, encoding="utf-8") as f:
+            stats = json.load(f)
+    stats["seconds"] = stats.get("seconds", 0.0) + seconds
+    with open(stats_path, "w", encoding="utf-8") as f:
+        json.dump(stats, f)
+    log(f"[gen] done in {seconds / 60:.1f} min")
+    return record
+
+
+def train_head(cfg: TrainConfig, load_target: LoadTarget) -> dict | None:
+    """Generate (``stage`` all/generate) and train (all/train); the training record of the
+    written head, or None when no head was written (generation only, or stopped early)."""
+    os.makedirs(cfg.work_dir, exist_ok=True)
+    start = time.time()
+    target = load_target(cfg.target)
+    if cfg.stage in ("all", "generate"):
+        generate(cfg, target)
+    record = train_and_write(cfg, target) if cfg.stage in ("all", "train") else None
+    log(f"total {(time.time() - start) / 60:.1f} min")
+    return record
+
+
+def heldout_answers(cfg: EvalConfig, target: Target):
+    """The target's greedy and sampled answers to the held-out prompts (cached)."""
+    items = prompts.load_prompt_set(cfg.prompts_dir)
+    _, heldout = prompts.split_prompts(items)
+    heldout = select_prompts(heldout, cfg.max_prompts)
+    jobs = []
+    for p in heldout:
+        ids = target.tokenizer.encode(prompts.render(cfg.template, p.text))
+        jobs += [dataset.Job(p.index, t, ids, True) for t in (0.0, cfg.temperature)]
+    settings = _settings(
+        cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p
+    )
+    dataset.prepare_plan(cfg.work_dir, jobs, settings)
+    seconds = run_generation(cfg.work_dir, target)
+    seqs = dataset.load_sequences(cfg.work_dir)
+    log(
+        f"held-out: {len(heldout)} prompts from {len({p.template for p in heldout})} "
+        f"templates ({seconds / 60:.1f} min generating)"
+    )
+    return heldout, seqs
+
+
+def eval_head(cfg: EvalConfig, load_target: LoadTarget) -> dict:
+    """Acceptance per draft position, greedy and sampled, and the draft step's cost."""
+    start = time.time()
+    target = load_target(cfg.target, tune=False)
+    head, description = target.load_head(cfg.head)
+    log(description)
+    heldout, seqs = heldout_answers(cfg, target)
+    greedy = [s for s in seqs if s.temperature == 0.0]
+    sampled = [s for s in seqs if s.temperature > 0.0]
+    sampling = SamplingOptions(cfg.temperature, cfg.top_k, cfg.top_p)
+    report = {
+        "target": os.path.abspath(os.path.expanduser(cfg.target)),
+        "head": os.path.abspath(cfg.head),
+        "head_description": description,
+        "depth": cfg.depth,
+        "heldout_prompts": len(heldout),
+        "heldout_templates": sorted({p.template for p in heldout}),
+        "sampling": vars(sampling),
+        "greedy": evaluate_chain(head, target, greedy, cfg.depth, None),
+        "sampled": evaluate_chain(head, target, sampled, cfg.depth, sampling),
+        "timing": target.time_steps(head, cfg.timing_reps),
+    }
+    with open(os.path.join(cfg.head, "config.json"), encoding="utf-8") as f:
+        report["training"] = json.load(f).get("training", {})
+    report["minutes"] = round((time.time() - start) / 60, 2)
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The evaluation as a table: per position, conditional and cumulative acceptance and
+    tokens per round, greedy and sampled; then the draft step's cost."""
+    depth = report["depth"]
+    lines = ["", f"{'':28}" + "".join(f"{'pos ' + str(j + 1):>9}" for j in range(depth))]
+    for mode in ("greedy", "sampled"):
+        r = report[mode]
+        for kind in ("conditional", "cumulative", "tokens_per_round"):
+            vals = "".join(f"{v:9.3f}" if v is not None else f"{'-':>9}" for v in r[kind])
+            lines.append(f"{mode + ' ' + kind:28}{vals}")
+    t = report["timing"]
+    lines.append(
+        f"\ndraft step {t['draft_step_ms']:.2f} ms = {t['draft_cost']:.3f} x target decode step "
+        f"({t['target_step_ms']:.1f} ms); full-vocab head {t['draft_cost_full_vocab']:.3f} x"
+    )
+    return "\n".join(lines)
