@@ -6,7 +6,7 @@ known fields are checked for type and range, and a failure names the field.
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -45,8 +45,48 @@ class Options(msgspec.Struct, omit_defaults=True):
             self.seed = None
 
 
-class Completion(msgspec.Struct, tag="completion", tag_field="type"):
-    """Generate from `prompt` (already templated text) or `tokens`: exactly one of the two."""
+# A chat message as the model's template reads it: `role` and `content` (a string, a list of
+# parts, or null), plus whatever else the template expects (tool_calls, name, ...).
+Message = dict[str, Any]
+Messages = Annotated[list[Message], msgspec.Meta(min_length=1)]
+
+
+def check_messages(messages: list[Message] | None, tools: list | None) -> None:
+    """Every message an object with a string role; tools a list of objects."""
+    for i, message in enumerate(messages or ()):
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role: expected a non-empty string")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}].content: expected a string, a list or null")
+    for i, tool in enumerate(tools or ()):
+        if not isinstance(tool, dict):
+            raise ValueError(f"tools[{i}]: expected an object")
+
+
+class ChatFields(msgspec.Struct, kw_only=True):
+    """What the model's chat template receives with `messages`."""
+
+    messages: Messages | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] | None = None
+
+    def check_chat(self, *others: tuple[str, object]) -> None:
+        """Exactly one of `messages` and the ``others`` (name, value) given."""
+        fields = (("messages", self.messages), *others)
+        if sum(value is not None for _, value in fields) != 1:
+            names = ", ".join(name for name, _ in others)
+            raise ValueError(f"{names}, messages: give exactly one of them")
+        if self.messages is None and (self.tools is not None or self.template_kwargs is not None):
+            raise ValueError("tools, template_kwargs: only with messages")
+        check_messages(self.messages, self.tools)
+
+
+class Completion(ChatFields, tag="completion", tag_field="type"):
+    """Generate from `prompt` (already templated text), `tokens`, or `messages` (rendered with
+    the model's own chat template): exactly one of the three."""
 
     id: RequestId
     prompt: str | None = None
@@ -58,8 +98,7 @@ class Completion(msgspec.Struct, tag="completion", tag_field="type"):
     think_budget: Count | None = None
 
     def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.tokens is None):
-            raise ValueError("prompt, tokens: give exactly one of the two")
+        self.check_chat(("prompt", self.prompt), ("tokens", self.tokens))
         if self.options is None:
             self.options = Options()
 
@@ -70,9 +109,14 @@ class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
     id: RequestId
 
 
-class Tokenize(msgspec.Struct, tag="tokenize", tag_field="type"):
+class Tokenize(ChatFields, tag="tokenize", tag_field="type"):
+    """The ids of `text`, or of `messages` rendered with the model's chat template."""
+
     id: RequestId
-    text: str
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        self.check_chat(("text", self.text))
 
 
 class Detokenize(msgspec.Struct, tag="detokenize", tag_field="type"):

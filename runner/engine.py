@@ -28,6 +28,7 @@ from protocol import frames as pf
 from protocol.codes import BAD_REQUEST, CONTEXT_OVERFLOW
 from protocol.errors import CodedError, error_frame
 from runner import blas, device
+from runner.chat_template import TemplateError
 from runner.decoder import Cancelled, PlainDecoder, PlainLoop, decode_plain, prefill
 from runner.emit import OPEN_MARKER, Emitter
 from runner.heads import load_draft_head
@@ -210,6 +211,34 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def tokenize_request(self, request) -> list[int]:
+        """The ids of a ``protocol`` tokenize request: its text, or its rendered messages."""
+        if request.messages is not None:
+            return self._chat_tokens(request)
+        return self.tokenizer.encode(request.text)
+
+    def _chat_tokens(self, request) -> list[int]:
+        """``messages`` through the model's chat template, encoded without an added BOS (the
+        template writes its own); a missing template or one that refuses is a bad request."""
+        template = self.loaded.chat_template
+        if template is None:
+            raise RequestError(
+                BAD_REQUEST,
+                f"messages: the model has no chat template ({self.loaded.path} has no "
+                "chat_template.jinja, chat_template.json or tokenizer_config.json "
+                "chat_template; GGUF: no tokenizer.chat_template): send a templated prompt",
+            )
+        try:
+            text = template.render(
+                request.messages, tools=request.tools,
+                add_generation_prompt=request.add_generation_prompt,
+                template_kwargs=request.template_kwargs,
+            )  # fmt: skip
+        except TemplateError as exc:
+            message = f"messages: the chat template refused them: {exc}"
+            raise RequestError(BAD_REQUEST, message) from None
+        return self.tokenizer.encode(text, add_bos=False)
+
     def detokenize(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
@@ -231,6 +260,8 @@ class Engine:
         if request.tokens is not None:
             if len(request.tokens) >= ctx:
                 raise self._overflow(f"prompt is {len(request.tokens)} tokens", ctx)
+            return
+        if request.prompt is None:  # messages: sized once rendered
             return
         at_least = self.tokenizer.min_tokens(request.prompt or "")
         if at_least is not None and at_least >= ctx:
@@ -257,6 +288,8 @@ class Engine:
                     f"tokens: id {bad[0]} is outside the vocabulary "
                     f"(0..{self.info.vocab_size - 1})",
                 )
+        elif request.messages is not None:
+            prompt = self._chat_tokens(request)
         else:
             prompt = self.tokenizer.encode(request.prompt or "")
         if not prompt:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture, UnsupportedTokenizer
+from runner import chat_template
+from runner.chat_template import ChatTemplate
 from runner.models.config import refuse
 from runner.tokenizer import Tokenizer
 
@@ -221,9 +223,10 @@ def gguf_tokenizer(meta: dict, path: str) -> Tokenizer:
 
 def read_checkpoint(
     path: str, report: Progress
-) -> tuple[dict, dict[str, mx.array], Tokenizer, str]:
-    """(Hugging Face style config, tensors under Hugging Face names, tokenizer, name) of a GGUF
-    file; the loader builds and loads the model from them as from a directory."""
+) -> tuple[dict, dict[str, mx.array], Tokenizer, str, ChatTemplate | None]:
+    """(Hugging Face style config, tensors under Hugging Face names, tokenizer, name, chat
+    template) of a GGUF file; the loader builds and loads the model from them as from a
+    directory."""
     report("read", 0, 1)
     weights, meta = read_gguf(path)
     report("read", 1, 1)
@@ -233,4 +236,5 @@ def read_checkpoint(
     if "lm_head.weight" not in weights:
         config["tie_word_embeddings"] = True
     name = _scalar(meta.get("general.name")) or os.path.splitext(os.path.basename(path))[0]
-    return config, weights, tokenizer, str(name)
+    template = chat_template.from_gguf(path, meta, meta.get("tokenizer.ggml.tokens"))
+    return config, weights, tokenizer, str(name), template

@@ -29,6 +29,7 @@ from protocol.errors import (
     UnsupportedArchitecture,
 )
 from runner import gguf
+from runner.chat_template import ChatTemplate, from_directory
 from runner.models import build_model
 from runner.models import config as config_reader
 from runner.models.llama import Model
@@ -61,6 +62,7 @@ class LoadedModel:
     quantized: bool
     # Tensors present in the checkpoint but not used by the target (e.g. an inline MTP head).
     extra_weights: dict[str, mx.array] = field(default_factory=dict)
+    chat_template: ChatTemplate | None = None  # None: the checkpoint has none
 
     @property
     def vocab_size(self) -> int:
@@ -175,7 +177,7 @@ def load_model(
             with open(path, "rb") as f:
                 if f.read(4) != b"GGUF":
                     raise CorruptModelFile("not a GGUF file or model directory", path=path)
-        config, weights, tokenizer, name = gguf.read_checkpoint(path, report)
+        config, weights, tokenizer, name, template = gguf.read_checkpoint(path, report)
         model = build_model(config, path=path)
         sources, quantization = {}, Quantization(QuantSpec(gguf.GROUP_SIZE), key="GGUF")
     else:
@@ -185,6 +187,7 @@ def load_model(
         model = build_model(config, path=config_path)
         quantization = Quantization.from_config(config, path=config_path)
         weights, sources, tokenizer, name = _read_directory(path, config, report)
+        template = _directory_template(path)
         if config_reader.is_nested(config):
             weights = {text_name(k): v for k, v in weights.items()}
             sources = {text_name(k): v for k, v in sources.items()}
@@ -214,8 +217,15 @@ def load_model(
     return LoadedModel(
         model=model, tokenizer=tokenizer, config=config, name=str(name), path=path,
         context_length=int(model.args.max_position_embeddings), dtype=target_dtype,
-        quantized=quantized and keep_quantized, extra_weights=extras,
+        quantized=quantized and keep_quantized, extra_weights=extras, chat_template=template,
     )  # fmt: skip
+
+
+def _directory_template(directory: str) -> ChatTemplate | None:
+    try:
+        return from_directory(directory)
+    except (OSError, ValueError) as exc:  # unreadable or malformed: the file is named
+        raise CorruptModelFile(f"cannot read the chat template ({exc})", path=directory) from None
 
 
 def _read_directory(directory: str, config: dict, report: Progress):

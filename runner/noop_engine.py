@@ -45,6 +45,11 @@ class NoopEngine:
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def tokenize_request(self, request) -> list[int]:
+        if request.messages is not None:
+            raise CodedError("messages: the no-op model has no chat template", code=BAD_REQUEST)
+        return self.tokenize(request.text)
+
     def detokenize(self, tokens: list[int]) -> str:
         return bytes(tokens).decode("utf-8", errors="replace")
 
@@ -58,6 +63,8 @@ class NoopEngine:
         }
 
     def precheck(self, request: Completion) -> None:
+        if request.prompt is None and request.tokens is None:
+            return  # messages: refused by prepare
         size = len(request.tokens) if request.tokens is not None else len(request.prompt.encode())
         if size >= CONTEXT_LENGTH:
             raise CodedError(
@@ -68,6 +75,8 @@ class NoopEngine:
     def prepare(self, request: Completion) -> NoopPrepared:
         if request.tokens is not None:
             prompt = list(request.tokens)
+        elif request.messages is not None:
+            raise CodedError("messages: the no-op model has no chat template", code=BAD_REQUEST)
         else:
             prompt = self.tokenize(request.prompt)
         if not prompt:

@@ -518,7 +518,7 @@ class Server:
         concurrently with a running completion."""
         try:
             if isinstance(request, Tokenize):
-                frame = TokensFrame(request.id, list(self.engine.tokenize(request.text)))
+                frame = TokensFrame(request.id, list(self.engine.tokenize_request(request)))
             elif isinstance(request, Detokenize):
                 frame = self._detokenize(request)
             else:

@@ -216,7 +216,7 @@ def test_escaped_backslashes_and_real_pairs_are_not_surrogate_errors():
     [
         (b'{"type": "completion", "prompt": "x"}', "id: missing required field"),
         (b'{"type": "cancel"}', "id: missing required field"),
-        (b'{"type": "tokenize", "id": "t"}', "text: missing required field"),
+        (b'{"type": "tokenize", "id": "t"}', "text, messages: give exactly one of them"),
         (b'{"type": "detokenize", "id": "d"}', "tokens: missing required field"),
     ],
 )

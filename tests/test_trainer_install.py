@@ -21,7 +21,8 @@ from runner.loader import load_model
 ROOT = Path(__file__).resolve().parent.parent
 # Runtime dependencies (and pip) shared from this environment by path, so the install needs
 # no download but setuptools for the build.
-SHARED = ("mlx", "mlx_cpu.libs", "numpy", "numpy.libs", "tokenizers", "msgspec", "pip")
+SHARED = ("mlx", "mlx_cpu.libs", "numpy", "numpy.libs", "tokenizers", "msgspec", "jinja2",
+          "markupsafe", "pip")  # fmt: skip
 
 
 def run(cmd: list, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
