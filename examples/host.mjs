@@ -3,7 +3,8 @@
 //
 //   node examples/host.mjs --model path/to/model.gguf --prompt "Why is the sky blue?"
 //
-// Flags: --model PATH, --prompt TEXT, --num-predict N, --temperature T, --python EXE.
+// Flags: --model PATH, --prompt TEXT, --num-predict N, --temperature T, --python EXE,
+// --format json|SCHEMA (constrain the answer to JSON, or to a JSON Schema given as JSON text).
 // Anything after `--` goes to the runner unchanged.
 //
 // The runner it starts, first found: `--python EXE` (EXE -m runner); $MTP_RUNNER_CMD, a
@@ -45,6 +46,7 @@ function parseArgs(argv) {
     else if (flag === "--num-predict") args.numPredict = Number(value);
     else if (flag === "--temperature") args.temperature = Number(value);
     else if (flag === "--python") args.python = value;
+    else if (flag === "--format") args.format = value === "json" ? "json" : JSON.parse(value);
     else throw new Error(`unknown flag ${flag}`);
   }
   return args;
@@ -84,7 +86,9 @@ async function main() {
     } else if (frame.type === "ready") {
       ready = true;
       process.stderr.write(`model ${frame.model} ready (MTP: ${frame.mtp_detail})\n`);
-      send({ type: "completion", id: "host-1", prompt: chatml(args.prompt), options });
+      const request = { type: "completion", id: "host-1", prompt: chatml(args.prompt), options };
+      if (args.format !== undefined) request.format = args.format;
+      send(request);
     } else if (frame.type === "token" && frame.id === "host-1") {
       process.stdout.write(frame.content);
     } else if (frame.type === "error") {

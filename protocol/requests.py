@@ -96,9 +96,13 @@ class Completion(ChatFields, tag="completion", tag_field="type"):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     speculative: bool = True
     think_budget: Count | None = None
+    # "json" (any JSON object) or a JSON Schema object: the output is constrained to it.
+    format: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.check_chat(("prompt", self.prompt), ("tokens", self.tokens))
+        if isinstance(self.format, str) and self.format != "json":
+            raise ValueError('format: expected "json" or a JSON Schema object')
         if self.options is None:
             self.options = Options()
 

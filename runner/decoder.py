@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from cache.ledger import Ledger, Outcome
 from runner import blas
+from runner.constraint import masked
 from runner.models.attention import between_blocks
 
 # Called with (tokens [L] int32 array, hiddens [L, D], position of tokens[0]) for every run of
@@ -277,7 +278,7 @@ class PlainDecoder:
             self.sampler.append(tokens)
         position = self.position
         hidden = self.model.hidden(tokens[None], self.caches)
-        logits = self.model.unembed(hidden[:, -1])[0]
+        logits = self._constrain(self.model.unembed(hidden[:, -1])[0], hidden, tokens, append)
         nxt = self.sampler.sample(logits, slot=position + tokens.shape[0]).reshape(1)
         lp = None
         if self.top_logprobs is not None:
@@ -287,6 +288,10 @@ class PlainDecoder:
         # Evaluate the caches with the token so no lazy graph accumulates across steps.
         mx.async_eval(nxt, hidden, *(lp or ()), [c.state for c in self.caches])
         return sampled
+
+    def _constrain(self, logits: mx.array, hidden: mx.array, fed: mx.array, emitted: bool):
+        """The logits the next token is sampled from (unconstrained: as they are)."""
+        return logits
 
     def start(self, seed: int) -> Sampled:
         """Feed the decode seed (already in the penalty history as part of the prompt)."""
@@ -315,6 +320,27 @@ class PlainDecoder:
         n = int(successor.fed_token.shape[0])
         for c in self.caches:
             c.rewind(c.offset - n)
+
+
+class ConstrainedDecoder(PlainDecoder):
+    """A :class:`PlainDecoder` whose every sample obeys a grammar (``runner.constraint``).
+
+    The forward feeding a token is dispatched first; then the token itself is read (it was
+    sampled by the previous step), the matcher consumes it and computes the next mask on the
+    CPU while that forward runs, and the sample is taken from the masked logits. One sync per
+    token, as plain decoding reads every token anyway; the mask's cost overlaps the forward.
+    """
+
+    def __init__(self, *args, constraint, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.constraint = constraint
+
+    def _constrain(self, logits: mx.array, hidden: mx.array, fed: mx.array, emitted: bool):
+        mx.async_eval(logits, hidden, [c.state for c in self.caches])
+        if emitted:  # generated tokens the grammar has not seen (the seed is the prompt's)
+            for token in fed.tolist():
+                self.constraint.consume(int(token))
+        return masked(logits, self.constraint.mask())
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,15 @@ from protocol.codes import BAD_REQUEST, CONTEXT_OVERFLOW
 from protocol.errors import CodedError, error_frame
 from runner import blas, device
 from runner.chat_template import TemplateError
-from runner.decoder import Cancelled, PlainDecoder, PlainLoop, decode_plain, prefill
+from runner.constraint import FormatError, Grammars
+from runner.decoder import (
+    Cancelled,
+    ConstrainedDecoder,
+    PlainDecoder,
+    PlainLoop,
+    decode_plain,
+    prefill,
+)
 from runner.emit import OPEN_MARKER, Emitter
 from runner.heads import load_draft_head
 from runner.loader import LoadedModel, load_model
@@ -106,6 +114,7 @@ class Prepared:
     top_logprobs: int = 0
     speculative: bool = True
     think_budget: int | None = None
+    grammar: str | None = None  # a compiled ``format`` (runner.constraint)
 
 
 _OPTION_DEFAULTS = SamplingParams()
@@ -134,6 +143,7 @@ class Engine:
         )
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
+        self.grammars: Grammars | None = None  # built at the first ``format``
         self.caches = self.model.make_caches()
         head, mtp_detail = None, "no draft head (disabled by --no-draft)"
         # A feed-dependent model (dynamic or longrope RoPE) computes what its reference
@@ -314,6 +324,7 @@ class Engine:
             frequency_penalty=float(opt("frequency_penalty")),
             seed=getattr(opts, "seed", None) if opts is not None else None,
         )
+        grammar = None if request.format is None else self._grammar(request, prompt)
         num_predict = getattr(opts, "num_predict", None) if opts is not None else None
         room = ctx - len(prompt)
         max_tokens = room if not num_predict or num_predict < 0 else min(num_predict, room)
@@ -328,7 +339,30 @@ class Engine:
             top_logprobs=int(request.top_logprobs or 0),
             speculative=bool(request.speculative),
             think_budget=request.think_budget,
+            grammar=grammar,
         )
+
+    def _grammar(self, request, prompt: list[int]) -> str:
+        """``format`` compiled for this model's tokenizer; what it cannot enforce (yet) is a
+        bad request naming it."""
+        if request.think_budget is not None or self._opens_think(prompt):
+            raise RequestError(
+                BAD_REQUEST,
+                "format: constrained output after a <think> span is not supported yet "
+                "(no think_budget, and a prompt that does not open <think>)",
+            )
+        if self.grammars is None:
+            self.grammars = Grammars(
+                self.tokenizer.hf.to_str(), self.info.vocab_size, sorted(self.tokenizer.eos_ids)
+            )
+        try:
+            return self.grammars.compile(request.format)
+        except FormatError as exc:
+            raise RequestError(BAD_REQUEST, f"format: {exc}") from None
+
+    def _opens_think(self, prompt: list[int]) -> bool:
+        """Templates that open the reasoning span themselves end the prompt with <think>."""
+        return self.tokenizer.decode(prompt[-8:]).rstrip().endswith(OPEN_MARKER)
 
     # ----------------------------------------------------------------- inference thread
     def run(self, req: Prepared, emit: Emit, cancelled: Callable[[], bool]) -> None:
@@ -404,8 +438,7 @@ class Engine:
         times: Timeline,
     ) -> Outcome:
         send_frame = self._sender(req, emit)
-        # Templates that open the reasoning span themselves end the prompt with <think>.
-        opened = self.tokenizer.decode(req.prompt[-8:]).rstrip().endswith(OPEN_MARKER)
+        opened = self._opens_think(req.prompt)
         emitter = Emitter(
             self.tokenizer, stop=req.stop, max_tokens=req.max_tokens,
             think_budget=req.think_budget, send=send_frame, prompt_open_think=opened,
@@ -457,9 +490,14 @@ class Engine:
             entry = None if rows is None else self._logprob_frame(rows.take(slot(), token))
             return emitter.push(token, entry)
 
-        decoder = PlainDecoder(
+        decoder_kind, extra = PlainDecoder, {}
+        if req.grammar is not None:  # speculation parks: drafts are not masked yet
+            decoder_kind = ConstrainedDecoder
+            extra = {"constraint": self.grammars.matcher(req.grammar)}
+        decoder = decoder_kind(
             self.model, self.caches, sampler,
             top_logprobs=req.top_logprobs if req.logprobs else None, on_commit=on_commit,
+            **extra,
         )  # fmt: skip
 
         def first_token() -> None:
@@ -476,7 +514,7 @@ class Engine:
             outcome = spec.decode(
                 loop, feed[-1], cancelled, model=self.model, caches=self.caches,
                 sampler=sampler, emit=push, budget=req.max_tokens,
-                speculate=req.speculative, logprobs=rows,
+                speculate=req.speculative and req.grammar is None, logprobs=rows,
             )  # fmt: skip
         emitter.finish()
         return outcome

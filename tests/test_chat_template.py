@@ -167,6 +167,8 @@ async def test_bad_messages_get_an_error_frame_and_the_runner_serves_on(chat_run
         ({"messages": TURN1, "prompt": "x"}, "give exactly one"),
         ({"messages": []}, "messages"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, "only with messages"),
+        ({"messages": TURN1, "format": {"type": "nonsense"}}, "format: "),
+        ({"prompt": "x", "format": "yaml"}, 'format: expected "json"'),
     ]
     for n, (fields, needle) in enumerate(cases):
         await runner.send({"type": "completion", "id": f"bad{n}", **fields})
@@ -183,3 +185,8 @@ async def test_bad_messages_get_an_error_frame_and_the_runner_serves_on(chat_run
                        "options": {"num_predict": 2}})  # fmt: skip
     _, done = await runner.completion("ok")
     assert done["eval_tokens"] >= 1
+    # Constrained on the small random model too: whatever it writes is the start of an object.
+    await runner.send({"type": "completion", "id": "fmt", "messages": TURN1, "format": "json",
+                       "options": {"num_predict": 12, "temperature": 0.9, "seed": 1}})  # fmt: skip
+    frames, done = await runner.completion("fmt")
+    assert text_of(frames).lstrip().startswith("{") and done["eval_tokens"] >= 1

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Runtime dependencies (and pip) shared from this environment by path, so the install needs
 # no download but setuptools for the build.
 SHARED = ("mlx", "mlx_cpu.libs", "numpy", "numpy.libs", "tokenizers", "msgspec", "jinja2",
-          "markupsafe", "pip")  # fmt: skip
+          "markupsafe", "llguidance", "pip")  # fmt: skip
 
 
 def run(cmd: list, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
