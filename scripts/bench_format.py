@@ -2,12 +2,12 @@
 """Constrained decoding (``format``) against unconstrained decoding on the same prompts.
 
 For each of the ``tests/test_format.py`` schemas, one greedy completion of the default model
-(the schema in the prompt, ``--tokens`` at most) unconstrained, then constrained, plain and
-with speculation (the default head; a constrained request parks it), in turn per rep, so a
-drift of this shared machine's speed hits all alike. Reported: decode tokens/s (the done
-frame's ``eval_tokens / eval_ns``, medians over prompts and reps), the constrained / free
-ratio per mode, and the matcher's CPU time per token (mask + consume: it overlaps the forward,
-so it costs only what exceeds the forward's time). Prints a table, writes JSON under
+(the schema in the prompt, ``--tokens`` at most) constrained, then unconstrained for as many
+tokens, plain and with speculation (the default head; a constrained request parks it), in turn
+per rep, so a drift of this shared machine's speed hits all alike. Reported: decode tokens/s
+(the done frame's ``eval_tokens / eval_ns``, medians over prompts and reps), the constrained /
+free ratio per mode, and the matcher's CPU time per token (mask + consume: it overlaps the
+forward, so it costs only what exceeds the forward's time). Prints a table, writes JSON under
 bench-results/.
 
     .venv/bin/python scripts/bench_format.py [--reps 3] [--tokens 96]
@@ -66,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
 
     constraint.Constraint.mask, constraint.Constraint.consume = timed_mask, timed_consume
 
-    def rate(engine, topic: str, schema, constrained: bool) -> tuple[float, int]:
+    def rate(engine, topic: str, schema, constrained: bool, tokens: int) -> tuple[float, int]:
         ask = f"Reply with JSON only matching this JSON Schema: {json.dumps(schema)}."
         text = f"{ask} Give {topic}."
         request = Completion(
             id="b", messages=[{"role": "user", "content": text}],
             format=schema if constrained else None,
-            options=Options(num_predict=args.tokens, temperature=0, repeat_penalty=1.0),
+            options=Options(num_predict=tokens, temperature=0, repeat_penalty=1.0),
         )  # fmt: skip
         frames: list = []
         engine.run(engine.prepare(request), frames.append, lambda: False)
@@ -86,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         for topic, schema in SCHEMAS:
             loads.append(bc.machine_load())
             for mode, engine in engines.items():
-                free, _ = rate(engine, topic, schema, False)
-                bound, n = rate(engine, topic, schema, True)
+                # The free run decodes as many tokens as the constrained one did (a JSON answer
+                # ends early; per-request costs weigh more on a short run).
+                bound, n = rate(engine, topic, schema, True, args.tokens)
+                free, _ = rate(engine, topic, schema, False, n)
                 samples.setdefault((mode, False), []).append(free)
                 samples.setdefault((mode, True), []).append(bound)
                 ratios[mode].append(bound / free)
