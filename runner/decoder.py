@@ -327,18 +327,29 @@ class ConstrainedDecoder(PlainDecoder):
 
     The forward feeding a token is dispatched first; then the token itself is read (it was
     sampled by the previous step), the matcher consumes it and computes the next mask on the
-    CPU while that forward runs, and the sample is taken from the masked logits. One sync per
-    token, as plain decoding reads every token anyway; the mask's cost overlaps the forward.
+    CPU while that forward runs, and the sample is taken from the masked logits. The token is
+    read from the array the previous step evaluated, never from a new node, which would queue
+    behind the forward just dispatched and leave the stream idle while the mask is computed.
     """
 
     def __init__(self, *args, constraint, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.constraint = constraint
+        self._emitted: mx.array | list[int] = []
+
+    def advance(self, sampled: Sampled) -> Sampled:
+        self._emitted = sampled.token
+        return super().advance(sampled)
+
+    def feed_forced(self, tokens: Sequence[int]) -> Sampled:
+        self._emitted = list(tokens)
+        return super().feed_forced(tokens)
 
     def _constrain(self, logits: mx.array, hidden: mx.array, fed: mx.array, emitted: bool):
         mx.async_eval(logits, hidden, [c.state for c in self.caches])
         if emitted:  # generated tokens the grammar has not seen (the seed is the prompt's)
-            for token in fed.tolist():
+            values = self._emitted if isinstance(self._emitted, list) else self._emitted.tolist()
+            for token in values:
                 self.constraint.consume(int(token))
         return masked(logits, self.constraint.mask())
 
