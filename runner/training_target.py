@@ -74,6 +74,12 @@ class RunnerTarget:
         for c in cache:
             c.keep_rows(keep)
 
+    def chat_prompt(self, text: str) -> str | None:
+        template = self.loaded.chat_template
+        if template is None:
+            return None
+        return template.render([{"role": "user", "content": text}])
+
     # -- the head ------------------------------------------------------------------------
 
     def _detached_last_layer(self) -> nn.Module:

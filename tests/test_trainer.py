@@ -501,3 +501,38 @@ def test_a_head_trained_for_a_moe_target_loads_and_drafts_losslessly(tmp_path):
         assert got == want
         accepted += done.speculation.accepted
     assert accepted > 0
+
+
+# -- the prompt's template ---------------------------------------------------------------------
+
+
+def test_prompts_take_the_targets_own_template_or_name_the_flag(tiny_checkpoint, tmp_path):
+    from drafting.training.run import prompt_ids
+
+    plain = RunnerTarget(tiny_checkpoint, tune=False)
+    with pytest.raises(TrainingError, match="no chat template: pass --template"):
+        prompt_ids("model", "hello fox", plain)
+    assert prompt_ids(CHAT, "hello fox", plain) == plain.tokenizer.encode(
+        prompts.render(CHAT, "hello fox")
+    )
+    templated = tmp_path / "templated"
+    shutil.copytree(tiny_checkpoint, templated)
+    config_path = templated / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    config["chat_template"] += "<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\n' }}"
+    config_path.write_text(json.dumps(config))
+    target = RunnerTarget(str(templated), tune=False)
+    want = target.tokenizer.encode(prompts.render(CHAT, "hello fox"), add_bos=False)
+    assert prompt_ids("model", "hello fox", target) == want
+
+
+@pytest.mark.default_model
+def test_the_default_models_own_template_is_the_shipped_heads(default_model):
+    """The head was trained with the chatml-smollm template; the model's own renders the same
+    ids, so the default changed nothing for it (and cached plans stay valid)."""
+    from drafting.training.run import prompt_ids
+
+    target = RunnerTarget(default_model, tune=False)
+    for text in ("Why is the sky blue?", "def add(a, b):"):
+        assert prompt_ids("model", text, target) == prompt_ids("chatml-smollm", text, target)

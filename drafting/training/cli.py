@@ -60,7 +60,8 @@ def train_parser() -> argparse.ArgumentParser:
         "--prompts-dir", default=PROMPT_DIR, help="prompt set (default: the bundled one)"
     )
     g.add_argument("--template", default=d.template,
-                   help=f"chat template: {', '.join(CHAT_TEMPLATES)} or a format string "
+                   help=f"chat template: model (the target's own, the default), "
+                   f"{', '.join(CHAT_TEMPLATES)} or a format string "
                    "containing {prompt}")  # fmt: skip
     g.add_argument("--max-per-template", type=int, default=d.max_per_template)
     g.add_argument("--max-prompts", type=int, default=d.max_prompts,
@@ -115,7 +116,7 @@ def eval_parser() -> argparse.ArgumentParser:
                    "(default: the runner's cache dir, eval/<model name>)")  # fmt: skip
     p.add_argument("--json", dest="json_path", help="write the report here too")
     p.add_argument("--prompts-dir", default=PROMPT_DIR)
-    p.add_argument("--template", default=d.template)
+    p.add_argument("--template", default=d.template, help="as for train-head")
     p.add_argument(
         "--max-prompts", type=int, default=d.max_prompts, help="held-out prompts (0: all)"
     )

@@ -24,7 +24,9 @@ class TrainConfig:
     resume: bool = False
     # data
     prompts_dir: str = PROMPT_DIR
-    template: str = "chatml-smollm"  # a name in prompts.CHAT_TEMPLATES or "...{prompt}..."
+    # "model" (the target's own chat template), a name in prompts.CHAT_TEMPLATES, or a format
+    # string containing {prompt}
+    template: str = "model"
     max_per_template: int = 30
     max_prompts: int = 1600  # training prompts, round-robin across templates (0: all)
     max_heldout: int = 48
@@ -81,7 +83,7 @@ class EvalConfig:
     work_dir: str  # the cache of generated held-out answers
     json_path: str | None = None  # the report (default: printed only)
     prompts_dir: str = PROMPT_DIR
-    template: str = "chatml-smollm"
+    template: str = "model"
     max_prompts: int = 72  # held-out prompts (0: all)
     max_new_tokens: int = 160
     depth: int = 4

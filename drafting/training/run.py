@@ -9,7 +9,7 @@ import time
 
 from . import dataset, prompts
 from .chain import SamplingOptions, evaluate_chain
-from .config import EvalConfig, TrainConfig
+from .config import EvalConfig, TrainConfig, TrainingError
 from .generate import run_generation
 from .progress import log
 from .target import LoadTarget, Target
@@ -34,7 +34,21 @@ def select_prompts(items: list[prompts.Prompt], cap: int) -> list[prompts.Prompt
     return sorted(picked, key=lambda it: it.index)
 
 
-def build_jobs(cfg: TrainConfig, tokenizer) -> tuple[list[dataset.Job], dict]:
+def prompt_ids(template: str, text: str, target: Target) -> list[int]:
+    """A user prompt as the target is asked it: through its own chat template (``model``;
+    encoded without an added BOS, the template writes its own) or a named or given one."""
+    if template != "model":
+        return target.tokenizer.encode(prompts.render(template, text))
+    rendered = target.chat_prompt(text)
+    if rendered is None:
+        raise TrainingError(
+            f"{target.path} has no chat template: pass --template (chatml, chatml-smollm, none "
+            "or a format string containing {prompt})"
+        )
+    return target.tokenizer.encode(rendered, add_bos=False)
+
+
+def build_jobs(cfg: TrainConfig, target: Target) -> tuple[list[dataset.Job], dict]:
     """The generation jobs and the record of which prompts and templates they use."""
     all_prompts = prompts.load_prompt_set(cfg.prompts_dir, cfg.max_per_template, cfg.seed)
     train, heldout = prompts.split_prompts(all_prompts)
@@ -42,10 +56,10 @@ def build_jobs(cfg: TrainConfig, tokenizer) -> tuple[list[dataset.Job], dict]:
     heldout = select_prompts(heldout, cfg.max_heldout)
     jobs = []
     for p in train:
-        ids = tokenizer.encode(prompts.render(cfg.template, p.text))
+        ids = prompt_ids(cfg.template, p.text, target)
         jobs += [dataset.Job(p.index, t, ids, False) for t in cfg.temperatures]
     for p in heldout:  # greedy only: held-out agreement during training
-        ids = tokenizer.encode(prompts.render(cfg.template, p.text))
+        ids = prompt_ids(cfg.template, p.text, target)
         jobs.append(dataset.Job(p.index, 0.0, ids, True))
     record = {
         "train": prompts.describe(train),
@@ -64,7 +78,7 @@ def _settings(target: str, max_new_tokens: int, batch: int, top_k: int, seed: in
 
 def generate(cfg: TrainConfig, target: Target) -> dict:
     """Fill the work dir with the target's answers to the training and held-out prompts."""
-    jobs, record = build_jobs(cfg, target.tokenizer)
+    jobs, record = build_jobs(cfg, target)
     settings = _settings(
         cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p
     )
@@ -110,7 +124,7 @@ def heldout_answers(cfg: EvalConfig, target: Target):
     heldout = select_prompts(heldout, cfg.max_prompts)
     jobs = []
     for p in heldout:
-        ids = target.tokenizer.encode(prompts.render(cfg.template, p.text))
+        ids = prompt_ids(cfg.template, p.text, target)
         jobs += [dataset.Job(p.index, t, ids, True) for t in (0.0, cfg.temperature)]
     settings = _settings(
         cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p

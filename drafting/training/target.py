@@ -34,6 +34,10 @@ class Target(Protocol):
     def keep_rows(self, cache: list, rows: np.ndarray) -> None:
         """Keep only the batch rows ``rows`` of every cache (finished sequences leave)."""
 
+    def chat_prompt(self, text: str) -> str | None:
+        """``text`` as one user turn through the target's own chat template, with the
+        assistant's header after it; None when the target has no template."""
+
     def head_layer(self) -> nn.Module:
         """A fresh decoder layer for a new head, holding the target's last layer's weights
         (a mixture-of-experts layer's MLP from its first expert: the head stays dense)."""
