@@ -1,12 +1,12 @@
 """Constrained output (``format``): JSON, or JSON matching a schema, enforced token by token.
 
-A completion's ``format`` compiles (llguidance, from the model's own ``tokenizer.json``) into a
-grammar when the request is prepared, so a schema it cannot take is a ``bad_request`` naming
-``format`` before anything runs. While decoding, a matcher follows every emitted token; the
-next token's allowed set is a mask over the vocabulary, computed on the CPU while the forward
-that produces its logits runs, and applied to the logits ahead of penalties and sampling (a
-masked logit is -inf, so no sampler filter can bring it back). When the grammar is complete
-only EOS stays allowed, so generation ends with ``done_reason: "stop"``.
+A completion's ``format`` compiles (llguidance, from the model's own ``tokenizer.json``) into
+the request's matcher when the request is prepared, so a schema it cannot take is a
+``bad_request`` naming ``format`` before anything runs. While decoding, the matcher follows
+every emitted token; the next token's allowed set is a mask over the vocabulary, computed on
+the CPU while the forward that produces its logits runs, and applied to the logits ahead of
+penalties and sampling (a masked logit is -inf, so no sampler filter can bring it back). When
+the grammar is complete only EOS stays allowed, so generation ends with ``done_reason: "stop"``.
 
 Whitespace between JSON items is allowed, as the model would write it (indented JSON is what
 instruction-tuned models produce; forbidding it pushes them off their distribution), but at
@@ -53,21 +53,20 @@ class Grammars:
                     raise FormatError(message) from None
             return self._tokenizer
 
-    def compile(self, fmt: str | dict[str, Any]) -> str:
-        """The grammar of a ``format`` value: ``"json"`` or a JSON Schema object."""
+    def compile(self, fmt: str | dict[str, Any]) -> Constraint:
+        """One completion's matcher for a ``format`` value (``"json"`` or a JSON Schema
+        object). Building the matcher compiles the grammar, once: a grammar it cannot take
+        leaves the matcher in its error state, which is the refusal's reason."""
         llg = _llguidance()
         schema = ANY_OBJECT if fmt == "json" else fmt
         try:
             grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), _COMPILE)
         except ValueError as exc:
             raise FormatError(f"not a usable JSON Schema ({exc})") from None
-        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer())
-        if error and not error.startswith("WARNING"):
-            raise FormatError(f"the schema cannot be enforced: {error}")
-        return grammar
-
-    def matcher(self, grammar: str) -> Constraint:
-        return Constraint(_llguidance().LLMatcher(self.tokenizer(), grammar), self.vocab_size)
+        matcher = llg.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise FormatError(f"the schema cannot be enforced: {matcher.get_error()}")
+        return Constraint(matcher, self.vocab_size)
 
 
 class Constraint:

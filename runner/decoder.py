@@ -278,7 +278,7 @@ class PlainDecoder:
             self.sampler.append(tokens)
         position = self.position
         hidden = self.model.hidden(tokens[None], self.caches)
-        logits = self._constrain(self.model.unembed(hidden[:, -1])[0], hidden, tokens, append)
+        logits = self._constrain(self.model.unembed(hidden[:, -1])[0], hidden, append)
         nxt = self.sampler.sample(logits, slot=position + tokens.shape[0]).reshape(1)
         lp = None
         if self.top_logprobs is not None:
@@ -289,8 +289,9 @@ class PlainDecoder:
         mx.async_eval(nxt, hidden, *(lp or ()), [c.state for c in self.caches])
         return sampled
 
-    def _constrain(self, logits: mx.array, hidden: mx.array, fed: mx.array, emitted: bool):
-        """The logits the next token is sampled from (unconstrained: as they are)."""
+    def _constrain(self, logits: mx.array, hidden: mx.array, emitted: bool) -> mx.array:
+        """The logits the next token is sampled from (unconstrained: as they are);
+        ``emitted``: the fed tokens are generated ones (not the prompt's seed)."""
         return logits
 
     def start(self, seed: int) -> Sampled:
@@ -345,7 +346,7 @@ class ConstrainedDecoder(PlainDecoder):
         self._emitted = list(tokens)
         return super().feed_forced(tokens)
 
-    def _constrain(self, logits: mx.array, hidden: mx.array, fed: mx.array, emitted: bool):
+    def _constrain(self, logits: mx.array, hidden: mx.array, emitted: bool) -> mx.array:
         mx.async_eval(logits, hidden, [c.state for c in self.caches])
         if emitted:  # generated tokens the grammar has not seen (the seed is the prompt's)
             values = self._emitted if isinstance(self._emitted, list) else self._emitted.tolist()

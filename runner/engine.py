@@ -29,7 +29,7 @@ from protocol.codes import BAD_REQUEST, CONTEXT_OVERFLOW
 from protocol.errors import CodedError, error_frame
 from runner import blas, device
 from runner.chat_template import TemplateError
-from runner.constraint import FormatError, Grammars
+from runner.constraint import Constraint, FormatError, Grammars
 from runner.decoder import (
     Cancelled,
     ConstrainedDecoder,
@@ -114,7 +114,8 @@ class Prepared:
     top_logprobs: int = 0
     speculative: bool = True
     think_budget: int | None = None
-    grammar: str | None = None  # a compiled ``format`` (runner.constraint)
+    # ``format``'s matcher (runner.constraint): this request's own, built at prepare.
+    constraint: Constraint | None = None
 
 
 _OPTION_DEFAULTS = SamplingParams()
@@ -324,7 +325,7 @@ class Engine:
             frequency_penalty=float(opt("frequency_penalty")),
             seed=getattr(opts, "seed", None) if opts is not None else None,
         )
-        grammar = None if request.format is None else self._grammar(request, prompt)
+        constraint = None if request.format is None else self._constraint(request, prompt)
         num_predict = getattr(opts, "num_predict", None) if opts is not None else None
         room = ctx - len(prompt)
         max_tokens = room if not num_predict or num_predict < 0 else min(num_predict, room)
@@ -339,10 +340,10 @@ class Engine:
             top_logprobs=int(request.top_logprobs or 0),
             speculative=bool(request.speculative),
             think_budget=request.think_budget,
-            grammar=grammar,
+            constraint=constraint,
         )
 
-    def _grammar(self, request, prompt: list[int]) -> str:
+    def _constraint(self, request, prompt: list[int]) -> Constraint:
         """``format`` compiled for this model's tokenizer; what it cannot enforce (yet) is a
         bad request naming it."""
         if request.think_budget is not None or self._opens_think(prompt):
@@ -491,9 +492,8 @@ class Engine:
             return emitter.push(token, entry)
 
         decoder_kind, extra = PlainDecoder, {}
-        if req.grammar is not None:  # speculation parks: drafts are not masked yet
-            decoder_kind = ConstrainedDecoder
-            extra = {"constraint": self.grammars.matcher(req.grammar)}
+        if req.constraint is not None:  # speculation parks: drafts are not masked yet
+            decoder_kind, extra = ConstrainedDecoder, {"constraint": req.constraint}
         decoder = decoder_kind(
             self.model, self.caches, sampler,
             top_logprobs=req.top_logprobs if req.logprobs else None, on_commit=on_commit,
@@ -514,7 +514,7 @@ class Engine:
             outcome = spec.decode(
                 loop, feed[-1], cancelled, model=self.model, caches=self.caches,
                 sampler=sampler, emit=push, budget=req.max_tokens,
-                speculate=req.speculative and req.grammar is None, logprobs=rows,
+                speculate=req.speculative and req.constraint is None, logprobs=rows,
             )  # fmt: skip
         emitter.finish()
         return outcome

@@ -73,12 +73,12 @@ class NoopEngine:
             )
 
     def prepare(self, request: Completion) -> NoopPrepared:
+        if request.format is not None:  # never ignored: an unenforced constraint is an error
+            raise CodedError("format: the no-op model cannot enforce a format", code=BAD_REQUEST)
         if request.tokens is not None:
             prompt = list(request.tokens)
         elif request.messages is not None:
             raise CodedError("messages: the no-op model has no chat template", code=BAD_REQUEST)
-        if request.format is not None:  # never ignored: an unenforced constraint is an error
-            raise CodedError("format: the no-op model cannot enforce a format", code=BAD_REQUEST)
         else:
             prompt = self.tokenize(request.prompt)
         if not prompt:

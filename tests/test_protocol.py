@@ -37,6 +37,7 @@ from protocol import (
     decode_request,
     encode_frame,
 )
+from protocol.errors import CodedError
 from protocol.schema import render
 from runner.cli import build_parser, parse_bytes
 from runner.noop_engine import NoopEngine
@@ -622,3 +623,16 @@ def test_a_cancel_taken_after_the_engines_last_check_still_gets_a_cancelled_done
     frames = [f for f in out.frames() if f.get("id") == "late"]
     assert [f["type"] for f in frames] == ["token", "done"]
     assert frames[-1]["done_reason"] == "cancelled" and frames[-1]["eval_tokens"] == 1
+
+
+def test_the_noop_engine_takes_tokens_and_refuses_what_it_cannot_do():
+    engine = NoopEngine()
+    assert engine.prepare(Completion(id="t", tokens=[104, 105])).prompt == [104, 105]
+    assert engine.prepare(Completion(id="p", prompt="hi")).prompt == [104, 105]
+    for fields, needle in (
+        ({"messages": [{"role": "user", "content": "hi"}]}, "messages: "),
+        ({"tokens": [104], "format": "json"}, "format: "),
+    ):
+        with pytest.raises(CodedError) as raised:
+            engine.prepare(Completion(id="x", **fields))
+        assert raised.value.code == "bad_request" and str(raised.value).startswith(needle)
