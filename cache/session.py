@@ -69,6 +69,18 @@ def level_caches(caches: Sequence) -> int:
     return low
 
 
+class _Slot:
+    """One set of live caches (a concurrent sequence's): the trie path its buffers hold, root
+    first, and the session open on it."""
+
+    __slots__ = ("caches", "live", "open")
+
+    def __init__(self, caches: list, root: Node) -> None:
+        self.caches = list(caches)
+        self.live: list[Node] = [root]
+        self.open: CacheSession | None = None
+
+
 class CacheSession:
     """One request's view of the prefix cache; see ``PrefixCache.begin``."""
 
@@ -79,8 +91,10 @@ class CacheSession:
         cached: int,
         points: list[int],
         boundaries: Sequence[int] = (),
+        slot: _Slot | None = None,
     ) -> None:
         self._owner = owner
+        self._slot = slot
         self.prompt = prompt
         self.cached = cached  # prompt tokens restored from the cache
         self.remaining = prompt[cached:]  # still to evaluate; the last one seeds decoding
@@ -111,6 +125,12 @@ class PrefixCache:
 
     ``caches`` lists every cache slot the model uses (target layers, then draft-head layers);
     they rest at one offset between requests and are touched only through sessions.
+
+    Concurrent sequences each get a set of caches of the same structure (``add_slot``; the
+    first is ``caches``). Every set has its own live path; a node a set indexed is a lazy
+    range of that set's buffers, and another set restoring it copies the range out first. A
+    node on any set's live path is never evicted or folded, since that set extends the trie
+    from it.
     """
 
     def __init__(
@@ -124,14 +144,30 @@ class PrefixCache:
     ) -> None:
         if snapshot_interval < 1:
             raise ValueError("snapshot_interval must be positive")
-        self.caches = list(caches)
         self.budget_bytes = budget_bytes
         self.pair_keys = pair_keys
         self.enabled = enabled
         self.snapshot_interval = snapshot_interval
         self.trie = PrefixTrie()
-        self._live: list[Node] = [self.trie.root]  # the path the buffers hold, root first
-        self._open: CacheSession | None = None
+        self.slots: list[_Slot] = [_Slot(caches, self.trie.root)]
+
+    @property
+    def caches(self) -> list:
+        """The first set's caches."""
+        return self.slots[0].caches
+
+    def add_slot(self, caches: list) -> int:
+        """Another set of live caches, shaped as the first; returns its index for ``begin``."""
+        if len(caches) != len(self.caches) or any(
+            type(a) is not type(b) for a, b in zip(caches, self.caches, strict=True)
+        ):
+            raise ValueError("a cache slot must have the caches of the first, in order")
+        self.slots.append(_Slot(caches, self.trie.root))
+        return len(self.slots) - 1
+
+    def _kept(self) -> list[Node]:
+        """Every set's live path: never evicted, never folded."""
+        return [n for slot in self.slots for n in slot.live]
 
     @property
     def entries(self) -> int:
@@ -152,51 +188,52 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget every stored prefix (call before resetting the caches to skip copy-outs)."""
         self.trie.clear()
-        self._unpin()
-        self._live = [self.trie.root]
+        for slot in self.slots:
+            self._unpin(slot)
+            slot.live = [self.trie.root]
 
     # ------------------------------------------------------------------ begin
-    def begin(self, tokens: Sequence[int]) -> CacheSession:
+    def begin(self, tokens: Sequence[int], slot: int = 0) -> CacheSession:
         """Restore the longest cached prefix of ``tokens``; at least one token is left to run.
 
         With sliding-window caches the restore point is the deepest one at or below the match
         where every cache can resume (a full cache anywhere; a windowed one where it still
         holds the window, or at a node end whose window was kept); ``cached`` says where.
-        A session left open by the previous request is abandoned (its close does nothing).
+        A session left open by the previous request of the same ``slot`` (``add_slot``) is
+        abandoned (its close does nothing).
         """
         prompt = list(map(int, tokens))
         if not prompt:
             raise ValueError("cannot begin a cache session for an empty prompt")
-        if self._open is not None:
-            self._open.closed = True
-        self._level()
+        at = self.slots[slot]
+        if at.open is not None:
+            at.open.closed = True
+        self._level(at)
         if self.enabled:
             path, matched = self.trie.match(trie_keys(prompt, self.pair_keys))
-            cached = self._switch(path, min(matched, len(prompt) - 1))
-            resume = self._resume_points(len(prompt), cached)
+            cached = self._switch(at, path, min(matched, len(prompt) - 1))
+            resume = self._resume_points(at, len(prompt), cached)
             points = self._points(len(prompt), cached, resume)
-            self._pin(path, points, cached, matched, len(prompt), resume)
+            self._pin(at, path, points, cached, matched, len(prompt), resume)
         else:
-            self._rewind_all(0)
-            self._live = [self.trie.root]
+            for c in at.caches:
+                c.rewind(0)
+            at.live = [self.trie.root]
             cached, points, resume = 0, [], []
-        self._open = CacheSession(self, prompt, cached, points, resume)
-        return self._open
+        at.open = CacheSession(self, prompt, cached, points, resume, slot=at)
+        return at.open
 
-    def _level(self) -> None:
+    @staticmethod
+    def _level(at: _Slot) -> None:
         """Rest every cache at the lowest offset and trim the live path to what they hold."""
-        low = level_caches(self.caches)
-        self._live = [n for n in self._live if n.end <= low]
+        low = level_caches(at.caches)
+        at.live = [n for n in at.live if n.end <= low]
 
-    def _rewind_all(self, offset: int) -> None:
-        for c in self.caches:
-            c.rewind(offset)
-
-    def _switch(self, path: list[Node], matched: int) -> int:
+    def _switch(self, at: _Slot, path: list[Node], matched: int) -> int:
         """Make the caches hold the first ``t`` positions of ``path``, ``t`` the deepest point
         at or below ``matched`` that every cache can reach; return ``t``."""
         common = 0
-        for live, node in zip(self._live, path, strict=False):
+        for live, node in zip(at.live, path, strict=False):
             if live is not node:
                 break
             common += 1
@@ -204,28 +241,30 @@ class PrefixCache:
         ends = {n.end: n for n in path if n.end <= matched}
         target = 0
         for t in sorted({matched, keep, *ends}, reverse=True):
-            if all(self._reaches(i, c, t, keep, ends) for i, c in enumerate(self.caches)):
+            if all(self._reaches(i, c, t, keep, ends) for i, c in enumerate(at.caches)):
                 target = t
                 break
         held = min(target, keep)
-        for i, c in enumerate(self.caches):
+        for i, c in enumerate(at.caches):
             if not getattr(c, "windowed", False):
                 c.rewind(held)
             elif c.can_rewind(target) and target <= keep:
                 c.rewind(target)
             else:
                 c.restore(ends[target].snapshots[i])
-        self._live = [n for n in path[:common] if n.end <= held]
+        at.live = [n for n in path[:common] if n.end <= held]
         for node in path[common:]:
             end = min(node.end, target)
             if end <= node.start:
                 break
-            for c, snap in zip(self.caches, node.snapshots, strict=True):
+            for c, snap in zip(at.caches, node.snapshots, strict=True):
                 if not getattr(c, "windowed", False):
+                    if snap.owner is not None and snap.owner is not c:
+                        snap.materialise()  # another set's live range: copied out first
                     c.restore(snap, end)
             if end == node.end:
-                self._live.append(node)
-        self.trie.touch(self._live[-1])
+                at.live.append(node)
+        self.trie.touch(at.live[-1])
         return target
 
     @staticmethod
@@ -240,8 +279,8 @@ class PrefixCache:
         node = ends.get(t)
         return node is not None and node.snapshots and cache.can_restore(node.snapshots[i])
 
-    def _pin(self, path: list[Node], points: list[int], cached: int, matched: int, length: int,
-             resume: Sequence[int] = ()):  # fmt: skip
+    def _pin(self, at: _Slot, path: list[Node], points: list[int], cached: int, matched: int,
+             length: int, resume: Sequence[int] = ()):  # fmt: skip
         """Ask windowed caches to keep their window where ``close`` may put node boundaries:
         the snapshot points, where the prompt leaves the trie (a split) and the ends of the
         matched nodes past the restore point (their windows get refreshed).
@@ -251,11 +290,11 @@ class PrefixCache:
         most wanted first: the resume points (the prompt's end, where this session resumed),
         the pre-turn point and the split (regenerated turns and branches), then the others,
         deepest first."""
-        windowed = [c for c in self.caches if getattr(c, "windowed", False)]
+        windowed = [c for c in at.caches if getattr(c, "windowed", False)]
         if not windowed:
             return
         pre_turn = length - PRE_TURN - (1 if self.pair_keys else 0)
-        held = {n.end for n in self._live}  # a node already keeps the window there
+        held = {n.end for n in at.live}  # a node already keeps the window there
         first = [p for p in (*resume, pre_turn, matched) if 0 < p <= length and p not in held
                  and (cached < p < length or p in resume)]  # fmt: skip
         rest = set(points) | {n.end for n in path if cached < n.end <= matched}
@@ -264,8 +303,9 @@ class PrefixCache:
         for c in windowed:
             c.set_pins(order, budget=share)
 
-    def _unpin(self) -> None:
-        for c in self.caches:
+    @staticmethod
+    def _unpin(at: _Slot) -> None:
+        for c in at.caches:
             if getattr(c, "windowed", False):
                 c.set_pins(())
 
@@ -276,34 +316,32 @@ class PrefixCache:
         points = {p - shift for p in wanted if cached < p - shift < length}
         return sorted(points | {p for p in resume if cached < p < length})
 
-    def _resume_points(self, length: int, cached: int) -> list[int]:
+    def _resume_points(self, at: _Slot, length: int, cached: int) -> list[int]:
         """With windowed caches, the boundaries a later request may resume at besides the
         snapshot points (module docstring), most wanted first: the prompt's end (as its last
         key spells it: one short with pair keys; the restore point of a repeated prompt is
         one short of its end as well) and where this session resumed."""
-        if not any(getattr(c, "windowed", False) for c in self.caches):
+        if not any(getattr(c, "windowed", False) for c in at.caches):
             return []
         ends = [length - (1 if self.pair_keys else 0), length - 1, cached]
         return [p for p in dict.fromkeys(ends) if 0 < p <= length]
 
     # ------------------------------------------------------------------ close
-    def _live_snapshots(self, start: int, end: int) -> list[KVSnapshot | WindowSnapshot]:
-        return [c.snapshot(start, end) for c in self.caches]
-
     def _close(self, session: CacheSession) -> None:
-        if session is not self._open:
+        at = session._slot
+        if at is None or session is not at.open:
             return
-        self._open = None
+        at.open = None
         try:
-            self._check_and_index(session)
+            self._check_and_index(at, session)
         finally:
-            self._unpin()
+            self._unpin(at)
 
-    def _check_and_index(self, session: CacheSession) -> None:
-        offsets = [c.offset for c in self.caches]
+    def _check_and_index(self, at: _Slot, session: CacheSession) -> None:
+        offsets = [c.offset for c in at.caches]
         low = min(offsets, default=0)
         stored = session.prompt + session.recorded
-        self._live = [n for n in self._live if n.end <= low]
+        at.live = [n for n in at.live if n.end <= low]
         if offsets and max(offsets) != low:
             raise CacheDesyncError(f"cache slots rest at different offsets: {sorted(set(offsets))}")
         if low > len(stored):
@@ -311,37 +349,41 @@ class PrefixCache:
                 f"caches hold {low} positions but only {len(stored)} tokens were recorded"
             )
         if self.enabled:
-            self._index(session, stored, low)
+            self._index(at, session, stored, low)
 
-    def _index(self, session: CacheSession, stored: list[int], low: int) -> None:
+    def _index(self, at: _Slot, session: CacheSession, stored: list[int], low: int) -> None:
         keys = trie_keys(stored, self.pair_keys)
         indexed = min(low, len(keys))
-        self._live = [n for n in self._live if n.end <= indexed]
+        at.live = [n for n in at.live if n.end <= indexed]
         # Node boundaries at the requested points the caches passed, then the end.
         wanted = set(session.boundaries)
-        for node in self._live[1:]:
+        for node in at.live[1:]:
             node.user = node.user or node.end in wanted  # e.g. where this session resumed
-        stops = sorted({p for p in wanted if self._live[-1].end < p <= indexed})
+        stops = sorted({p for p in wanted if at.live[-1].end < p <= indexed})
+
+        def snapshots(start: int, end: int) -> list[KVSnapshot | WindowSnapshot]:
+            return [c.snapshot(start, end) for c in at.caches]
+
         for stop in [*stops, indexed]:
-            if stop > self._live[-1].end:
-                self._live += self.trie.extend(self._live[-1], keys, stop, self._live_snapshots)
+            if stop > at.live[-1].end:
+                at.live += self.trie.extend(at.live[-1], keys, stop, snapshots)
             if stop in stops:
-                self._live[-1].user = True
-        windowed = [i for i, c in enumerate(self.caches) if getattr(c, "windowed", False)]
-        for node in self._live[1:] if windowed else ():
+                at.live[-1].user = True
+        windowed = [i for i, c in enumerate(at.caches) if getattr(c, "windowed", False)]
+        for node in at.live[1:] if windowed else ():
             if not any(node.snapshots[i].restorable for i in windowed):
                 node.user = False  # no window was kept there: compaction may fold it
-        self._compact()
-        self.trie.touch(self._live[-1])
-        self.trie.evict(self.budget_bytes, self._live)
-        self._evict_live_windows()
+        self._compact(at)
+        self.trie.touch(at.live[-1])
+        self.trie.evict(self.budget_bytes, self._kept())
+        self._evict_live_windows(at)
 
-    def _evict_live_windows(self) -> None:
+    def _evict_live_windows(self, at: _Slot) -> None:
         """Over budget with only the live path left: release the windowed copies its nodes
         hold (a recurrent state, a copied-out window), least recently used first, then the
         shallowest; such a node can then be resumed by offset moves only (full caches) and
         compaction may fold it."""
-        nodes = sorted(self._live[1:], key=lambda n: (n.last_used, n.end))
+        nodes = sorted(at.live[1:], key=lambda n: (n.last_used, n.end))
         for node in nodes:
             if self.trie.nbytes <= self.budget_bytes:
                 return
@@ -351,16 +393,22 @@ class PrefixCache:
             if windows:
                 node.user = False
 
-    def _compact(self) -> None:
-        """Fold plain (non-user) single-child nodes of the live path into their child."""
-        path = [self._live[0]]
-        for i, node in enumerate(self._live[1:], start=1):
-            last = i == len(self._live) - 1
-            if not last and not node.user and len(node.children) == 1:
+    def _compact(self, at: _Slot) -> None:
+        """Fold plain (non-user) single-child nodes of the live path into their child (not
+        those another set's live path holds)."""
+        others = {id(n) for slot in self.slots if slot is not at for n in slot.live}
+
+        def folds(node: Node) -> bool:
+            return not node.user and len(node.children) == 1 and id(node) not in others
+
+        path = [at.live[0]]
+        for i, node in enumerate(at.live[1:], start=1):
+            last = i == len(at.live) - 1
+            if not last and folds(node):
                 continue  # folded into the next node below
             path.append(node)
         # Merge bottom-up so each merge sees its child already in place.
-        for node in reversed(self._live[1:-1]):
-            if not node.user and len(node.children) == 1:
+        for node in reversed(at.live[1:-1]):
+            if folds(node):
                 self.trie.merge_into_child(node)
-        self._live = path
+        at.live = path

@@ -74,10 +74,14 @@ class Speculation:
         self.fixed_depth = fixed_depth
         self.fault_after = fault_after
 
-    def open(self, unembed: Callable[[mx.array], mx.array]) -> SpeculationSession:
-        """A request's session, opened before prefill (``unembed``: the target's output head)."""
+    def open(
+        self, unembed: Callable[[mx.array], mx.array], cache: KVCache | None = None
+    ) -> SpeculationSession:
+        """A request's session, opened before prefill (``unembed``: the target's output head;
+        ``cache``: the draft cache of the request's cache slot, by default the model's own)."""
         head = self.head if self.fault_after is None else _FailingHead(self.head, self.fault_after)
-        return SpeculationSession(self, DraftSession(head, self.cache, unembed))
+        draft = DraftSession(head, self.cache if cache is None else cache, unembed)
+        return SpeculationSession(self, draft)
 
     def status(self) -> dict:
         """Plain values for the ``status`` frame."""
@@ -111,10 +115,10 @@ class SpeculationSession:
         self.final = outcome.final
         return outcome
 
-    def decode(
+    def decoding(
         self,
         loop: PlainLoop,
-        seed: int,
+        cur: Any,
         cancelled: Callable[[], bool],
         *,
         model,
@@ -124,11 +128,12 @@ class SpeculationSession:
         budget: int | None,
         speculate: bool = True,
         logprobs: LogprobRows | None = None,
-    ) -> Outcome:
-        """Decode from ``seed`` (the last prompt token) with speculative rounds, parking in
-        the pipelined plain loop whenever the depth is 0; ``speculate`` False parks for good
-        (the draft cache still follows every committed forward). ``logprobs`` receives the
-        target's rows of every round for the emitter to take."""
+    ) -> Decoding:
+        """The decode loop from ``cur`` (the plain loop's first in-flight sample), one
+        :meth:`Decoding.step` at a time: speculative rounds, parking in the pipelined plain
+        loop whenever the depth is 0; ``speculate`` False parks for good (the draft cache
+        still follows every committed forward). ``logprobs`` receives the target's rows of
+        every round for the emitter to take."""
         fixed = self.owner.fixed_depth
         if fixed is not None:
             depth = FixedDepth(fixed if speculate else 0)
@@ -139,34 +144,72 @@ class SpeculationSession:
             ops, emit, cancelled, depth=depth, budget=budget, stats=self.stats,
             ledger=loop.ledger,
         )  # fmt: skip
-        return self.finish(_decode(loop, driver, seed, cancelled, logprobs))
+        return Decoding(loop, cur, cancelled, driver, logprobs, session=self)
+
+    def decode(self, loop: PlainLoop, seed: int, cancelled: Callable[[], bool], **kwargs):
+        """:meth:`decoding` from ``seed`` (the last prompt token) until generation ends."""
+        return self.decoding(loop, loop.start(seed), cancelled, **kwargs).run()
 
 
-def _decode(
-    loop: PlainLoop,
-    driver: RoundDriver,
-    seed: int,
-    cancelled: Callable[[], bool],
-    logprobs: LogprobRows | None = None,
-) -> Outcome:
-    """``cur`` is always the current token: sampled, not yet emitted, not yet fed; lazy while
-    the plain loop has it in flight. Resuming speculation needs no extra forward: the round
-    starts from the plain loop's in-flight sample."""
-    cur = loop.start(seed)
-    while True:
-        if cancelled():
-            return Outcome("cancelled", loop.fed, loop.dec.read(cur))
-        if driver.plan().parked:
-            step = loop.step(cur)  # one pipelined plain step, accounted as a depth-0 round
-            driver.parked_round()
-            if step.outcome is not None:
-                return step.outcome
-            cur = step.next
-            continue
-        x = loop.read(cur)
-        if logprobs is not None and cur.logprobs is not None:
+class Decoding:
+    """One request's decode loop as steps. ``cur`` is always the current token: sampled, not
+    yet emitted, not yet fed; lazy while the plain loop has it in flight. Resuming speculation
+    needs no extra forward: a round starts from the plain loop's in-flight sample. Between
+    steps a scheduler may advance ``cur`` itself with plain steps (:meth:`stepped`), e.g. in a
+    forward batched with other requests; the draft session follows those too."""
+
+    def __init__(
+        self,
+        loop: PlainLoop,
+        cur: Any,
+        cancelled: Callable[[], bool],
+        driver: RoundDriver | None = None,
+        logprobs: LogprobRows | None = None,
+        session: SpeculationSession | None = None,
+    ) -> None:
+        self.loop = loop
+        self.cur = cur
+        self.cancelled = cancelled
+        self.driver = driver
+        self.logprobs = logprobs
+        self.session = session
+
+    def run(self) -> Outcome:
+        while (outcome := self.step()) is None:
+            pass
+        return outcome
+
+    def _end(self, outcome: Outcome) -> Outcome:
+        return self.session.finish(outcome) if self.session is not None else outcome
+
+    def cancel_check(self) -> Outcome | None:
+        """The outcome of a cancel seen before a step, else None."""
+        if self.cancelled():
+            loop = self.loop
+            return self._end(Outcome("cancelled", loop.fed, loop.dec.read(self.cur)))
+        return None
+
+    def stepped(self, step: Any) -> Outcome | None:
+        """Take the result of a plain step the caller ran on ``cur`` (``loop.step``)."""
+        if step.outcome is not None:
+            return self._end(step.outcome)
+        self.cur = step.next
+        return None
+
+    def step(self) -> Outcome | None:
+        """One plain step or one speculative round; the outcome once generation ended."""
+        if (outcome := self.cancel_check()) is not None:
+            return outcome
+        loop, driver, logprobs = self.loop, self.driver, self.logprobs
+        if driver is None or driver.plan().parked:
+            step = loop.step(self.cur)  # one pipelined plain step, a depth-0 round
+            if driver is not None:
+                driver.parked_round()
+            return self.stepped(step)
+        x = loop.read(self.cur)
+        if logprobs is not None and self.cur.logprobs is not None:
             # A plain step decided x: the round emits it, so hand its row over.
-            chosen, ids, values = cur.logprobs
+            chosen, ids, values = self.cur.logprobs
             logprobs.put(loop.dec.position, [x], [chosen.item()], [ids.tolist()], [values.tolist()])
         try:
             end = driver.round(x)
@@ -175,15 +218,16 @@ def _decode(
                 raise
             # The caches hold exactly the committed prefix: end this request only.
             log.error("speculative round failed: %s", error)
-            return Outcome("error", loop.fed, None, error=str(error))
+            return self._end(Outcome("error", loop.fed, None, error=str(error)))
         if not end.finished:
-            cur = loop.resume(end.next)
-            continue
+            self.cur = loop.resume(end.next)
+            return None
         ledger = loop.ledger
         final = None
         if len(ledger.emitted) > len(ledger.committed):
             final = ledger.emitted[len(ledger.committed)]
-        return Outcome("cancelled" if end.reason == "cancel" else end.reason, loop.fed, final)
+        reason = "cancelled" if end.reason == "cancel" else end.reason
+        return self._end(Outcome(reason, loop.fed, final))
 
 
 def guarded(draft: DraftSession, method: str) -> Callable:

@@ -110,6 +110,8 @@ class StatusFrame(msgspec.Struct, tag="status", tag_field="type"):
     memory_bytes: int
     speculation_depth: int
     speculation: dict[str, Any] = {}
+    # Every running completion, oldest first (``--parallel``); ``active`` is the first.
+    active_ids: list[str] = []
 
 
 Frame = Union[Progress, Ready, Token, Done, Error, TokensFrame, TextFrame, StatusFrame]  # noqa: UP007

@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     count = functools.partial(p.add_argument, metavar="N")  # an integer option
     count("--max-draft", type=non_negative_int, default=8, help="deepest speculation depth (8)")
     count(
+        "--parallel",
+        type=positive_int,
+        default=4,
+        help="completions decoded at once, one row each in a shared forward; the rest queue "
+        "(4; 1 = one at a time)",
+    )
+    count(
         "--draft-depth",
         type=non_negative_int,
         help="draft exactly N tokens per round instead of the adaptive depth (benchmarks)",
@@ -153,6 +160,7 @@ def engine_factory(args: argparse.Namespace):
             row_layout=args.row_layout,
             compile=not args.no_compile,
             head_fault_after=args.head_fault_after,
+            parallel=args.parallel,
         )
         return Engine(options, progress=progress)
 

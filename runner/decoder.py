@@ -273,21 +273,42 @@ class PlainDecoder:
 
     def _feed(self, tokens: mx.array, append: bool) -> Sampled:
         """Dispatch one forward over ``tokens`` and the sample of the token after them."""
+        tokens, position = self.row_feed(tokens, append)
+        hidden = self.model.hidden(tokens[None], self.caches)
+        sampled = self.row_sample(tokens, hidden[0], self.model.unembed(hidden[:, -1])[0], position)
+        mx.async_eval(sampled.token, hidden, *(sampled.logprobs or ()), self.cache_state())
+        return sampled
+
+    def cache_state(self) -> list:
+        """What to evaluate with a step so no lazy graph accumulates across steps."""
+        return [c.state for c in self.caches]
+
+    # A forward shared with other requests (``runner.batch``) runs a step in three parts:
+    # ``row_feed`` before it, ``row_sample`` on this request's rows of its output, and the
+    # result set as ``prefetched``, which the next ``advance`` returns instead of a forward.
+    prefetched: Sampled | None = None
+
+    def row_feed(self, tokens: mx.array, append: bool) -> tuple[mx.array, int]:
+        """Record ``tokens`` as fed (``append``: generated ones, into the penalty history);
+        returns them as int32 ``[L]`` and the position of the first."""
         tokens = tokens.reshape(-1).astype(mx.int32)
         if append:
             self.sampler.append(tokens)
-        position = self.position
-        hidden = self.model.hidden(tokens[None], self.caches)
-        logits = self._constrain(self.model.unembed(hidden[:, -1])[0], hidden, append)
+        self._append = append
+        return tokens, self.position
+
+    def row_sample(
+        self, tokens: mx.array, hidden: mx.array, logits: mx.array, position: int
+    ) -> Sampled:
+        """The sample after ``tokens`` fed at ``position`` (lazy): ``hidden`` ``[L, D]`` their
+        hidden rows, ``logits`` ``[V]`` the last row's."""
+        logits = self._constrain(logits, hidden, self._append)
         nxt = self.sampler.sample(logits, slot=position + tokens.shape[0]).reshape(1)
         lp = None
         if self.top_logprobs is not None:
             lp = self.sampler.logprobs(logits, nxt, self.top_logprobs)
-        sampled = Sampled(nxt, lp, hidden[0], tokens, position)
         self.forwards += 1
-        # Evaluate the caches with the token so no lazy graph accumulates across steps.
-        mx.async_eval(nxt, hidden, *(lp or ()), [c.state for c in self.caches])
-        return sampled
+        return Sampled(nxt, lp, hidden, tokens, position)
 
     def _constrain(self, logits: mx.array, hidden: mx.array, emitted: bool) -> mx.array:
         """The logits the next token is sampled from (unconstrained: as they are);
@@ -299,7 +320,11 @@ class PlainDecoder:
         return self._feed(mx.array([seed], dtype=mx.int32), append=False)
 
     def advance(self, sampled: Sampled) -> Sampled:
-        """Dispatch the forward feeding ``sampled`` (still lazy); return its successor."""
+        """Dispatch the forward feeding ``sampled`` (still lazy); return its successor (the
+        ``prefetched`` one when a shared forward already fed it)."""
+        if self.prefetched is not None:
+            nxt, self.prefetched = self.prefetched, None
+            return nxt
         return self._feed(sampled.token, append=True)
 
     def feed_forced(self, tokens: Sequence[int]) -> Sampled:
@@ -336,21 +361,17 @@ class ConstrainedDecoder(PlainDecoder):
     def __init__(self, *args, constraint, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.constraint = constraint
-        self._emitted: mx.array | list[int] = []
+        self._emitted: mx.array | None = None
 
-    def advance(self, sampled: Sampled) -> Sampled:
-        self._emitted = sampled.token
-        return super().advance(sampled)
-
-    def feed_forced(self, tokens: Sequence[int]) -> Sampled:
-        self._emitted = list(tokens)
-        return super().feed_forced(tokens)
+    def row_feed(self, tokens: mx.array, append: bool) -> tuple[mx.array, int]:
+        if append:
+            self._emitted = tokens
+        return super().row_feed(tokens, append)
 
     def _constrain(self, logits: mx.array, hidden: mx.array, emitted: bool) -> mx.array:
-        mx.async_eval(logits, hidden, [c.state for c in self.caches])
+        mx.async_eval(logits, hidden, self.cache_state())
         if emitted:  # generated tokens the grammar has not seen (the seed is the prompt's)
-            values = self._emitted if isinstance(self._emitted, list) else self._emitted.tolist()
-            for token in values:
+            for token in self._emitted.tolist():
                 self.constraint.consume(int(token))
         return masked(logits, self.constraint.mask())
 
@@ -416,13 +437,17 @@ class PlainLoop:
             self._first = False
         return token
 
+    def is_last(self) -> bool:
+        """Whether the current token is certainly the last one (budget or context end): the
+        step emits it without feeding it."""
+        return bool(self.max_tokens and self.ledger.used + 1 >= self.max_tokens) or (
+            self.dec.position + 1 >= self.context_length
+        )
+
     def step(self, cur: Sampled) -> LoopStep:
         """Emit ``cur``, dispatching the forward that feeds it first unless it is the last."""
         dec, ledger = self.dec, self.ledger
-        last = (self.max_tokens and ledger.used + 1 >= self.max_tokens) or (
-            dec.position + 1 >= self.context_length
-        )
-        nxt = None if last else dec.advance(cur)
+        nxt = None if self.is_last() else dec.advance(cur)
         token = self.read(cur)
         step = self.emitter.push(token, self.logprob_entry(cur))
         ledger.emit(token, step.forced, counted=step.keep)

@@ -9,40 +9,30 @@ path.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from cache.kv import KVCache
-from cache.ledger import Ledger, Outcome
+from cache.ledger import Outcome
 from cache.session import CacheDesyncError, CacheSession, PrefixCache, level_caches
-from drafting.logprobs import LogprobEntry, LogprobRows
-from drafting.speculation import Speculation, SpeculationSession
-from drafting.stats import SpecStats
+from drafting.logprobs import LogprobEntry
+from drafting.speculation import Speculation
 from protocol import frames as pf
 from protocol.codes import BAD_REQUEST, CONTEXT_OVERFLOW
-from protocol.errors import CodedError, error_frame
+from protocol.errors import CodedError
 from runner import blas, device
 from runner.chat_template import TemplateError
 from runner.constraint import Constraint, FormatError, Grammars
-from runner.decoder import (
-    Cancelled,
-    ConstrainedDecoder,
-    PlainDecoder,
-    PlainLoop,
-    decode_plain,
-    prefill,
-)
-from runner.emit import OPEN_MARKER, Emitter
+from runner.emit import OPEN_MARKER
 from runner.heads import load_draft_head
 from runner.loader import LoadedModel, load_model
 from runner.models import feed_dependent
-from runner.sampler import Sampler, SamplingParams
+from runner.sampler import SamplingParams
+from runner.stream import Slot, Stream
 
 log = logging.getLogger("mtp_runner.engine")
 
@@ -83,6 +73,8 @@ class EngineOptions:
     # Compile the fixed-shape parts of each block for decode and verify rows (runner.device).
     compile: bool = True
     head_fault_after: int | None = None  # test hook: the head fails on its n-th call a request
+    # Completions decoded at once, rows of one forward (runner.batch); 1: one at a time.
+    parallel: int = 1
 
 
 @dataclass
@@ -119,15 +111,6 @@ class Prepared:
 
 
 _OPTION_DEFAULTS = SamplingParams()
-
-
-@dataclass
-class Timeline:
-    """One request's counts and times for its ``done`` frame."""
-
-    start_ns: int
-    prompt_cached: int = 0
-    prefill_end_ns: int | None = None  # when the first generated token was read
 
 
 class Engine:
@@ -167,10 +150,18 @@ class Engine:
                 fault_after=options.head_fault_after,
             )  # fmt: skip
         log.info("device tuning: %s", self.tuning.describe())
+        self.parallel, self.parallel_detail = self._parallel(options.parallel)
         if self.tuning.compiled:
             self._warm_up(report)
-        self.all_caches = [*self.caches] + ([self.draft_cache] if self.draft_cache else [])
+        self.slots = [Slot(0, self.caches, self.draft_cache)]
+        self.all_caches = self.slots[0].all
         self.prefix: PrefixCache = self._make_prefix_cache()
+        for index in range(1, self.parallel):
+            draft = KVCache() if self.draft_cache is not None else None
+            slot = Slot(index, self.model.make_caches(), draft)
+            self.prefix.add_slot(slot.all)
+            self.slots.append(slot)
+        self.streams: list[Stream] = []  # the active ones (runner.batch)
         self.info = EngineInfo(
             model=self.loaded.name,
             context_length=self.loaded.context_length,
@@ -183,8 +174,23 @@ class Engine:
         self.active: str | None = None
 
     @property
-    def _prefill_chunk(self) -> int:
-        return self.info.context_length if self.feed_dependent else self.options.prefill_chunk
+    def chunk(self) -> int:
+        """Prefill chunk length (a feed-dependent model: the whole prompt in one forward)."""
+        if self.feed_dependent:
+            return self.loaded.context_length
+        return self.options.prefill_chunk
+
+    def _parallel(self, wanted: int) -> tuple[int, str]:
+        """How many completions decode at once, and why fewer than ``wanted``."""
+        if wanted <= 1:
+            return 1, "one completion at a time"
+        refusal = getattr(self.model, "rows_refusal", lambda: "no batched forward")()
+        if refusal is None and self.feed_dependent:
+            refusal = "the RoPE depends on how tokens are fed"
+        if refusal is not None:
+            log.warning("--parallel %d: %s; serving one completion at a time", wanted, refusal)
+            return 1, f"one completion at a time ({refusal})"
+        return wanted, f"up to {wanted} completions at once"
 
     @property
     def head(self):
@@ -200,11 +206,12 @@ class Engine:
         request. The first run on a machine also JIT-compiles their fused CPU kernels
         (MLX keeps them under $TMPDIR/mlx for later processes)."""
         report("compile", 0, 1)
-        for rows in (1, 2):
+        # A shared decode forward over R sequences runs the blocks at R rows as well.
+        for rows in range(1, max(2, self.parallel) + 1):
             caches = self.model.make_caches()
             hidden = self.model.hidden(mx.zeros((1, rows), dtype=mx.int32), caches)
             outputs = [self.model.unembed(hidden)]
-            if self.head is not None:
+            if self.head is not None and rows <= 2:
                 outputs.append(self.head(mx.zeros((1, rows), dtype=mx.int32), hidden, KVCache()))
             mx.eval(outputs)
         report("compile", 1, 1)
@@ -367,164 +374,54 @@ class Engine:
 
     # ----------------------------------------------------------------- inference thread
     def run(self, req: Prepared, emit: Emit, cancelled: Callable[[], bool]) -> None:
-        """Serve one completion: token frames, then exactly one done frame."""
+        """Serve one completion alone: token frames, then exactly one done frame."""
         self.active = req.id
-        times = Timeline(start_ns=time.perf_counter_ns())
-        session: CacheSession | None = self.prefix.begin(req.prompt)
-        times.prompt_cached = session.cached
-        ledger = Ledger()
-        spec = self.speculation.open(self.model.unembed) if self.speculation else None
-        stats = spec.stats if spec is not None else SpecStats()
-        outcome = Outcome("error")
+        stream = self.open_stream(req, emit, cancelled, self.slots[0])
         try:
-            with spec or contextlib.nullcontext():
-                outcome = self._generate(req, session, spec, ledger, emit, cancelled, times)
-            if outcome.error is not None:
-                emit(CodedError(outcome.error).frame(req.id))
+            if stream.prefill():
+                while not stream.step():
+                    pass
         except Exception as exc:  # one request's failure never takes the runner down
-            log.exception("generation failed for %s", req.id)
-            emit(error_frame(req.id, exc))
-            outcome = Outcome("error")
-            self._invalidate_caches()
-            session = None
+            stream.fail(exc)
         finally:
-            if session is not None:
-                self._close_session(session, outcome)
             self.active = None
-            # Return freed buffers to the system so a long-lived runner stays flat in memory.
-            device.release_memory()
-        t_end = time.perf_counter_ns()
-        t_prefill = times.prefill_end_ns or t_end
-        emit(
-            pf.Done(
-                id=req.id,
-                done_reason=outcome.reason,
-                prompt_tokens=len(req.prompt),
-                prompt_cached_tokens=times.prompt_cached,
-                prompt_eval_ns=t_prefill - times.start_ns,
-                eval_tokens=ledger.used,
-                eval_ns=t_end - t_prefill,
-                speculation=pf.Speculation(**stats.as_dict()),
-            )
-        )
 
-    def _close_session(self, session: CacheSession, outcome: Outcome) -> None:
+    def open_stream(
+        self, req: Prepared, emit: Emit, cancelled: Callable[[], bool], slot: Slot
+    ) -> Stream:
+        """A request on ``slot``: its prefix restored, its sessions open (runner.stream)."""
+        stream = Stream(self, req, emit, cancelled, slot)
+        self.streams.append(stream)
+        return stream
+
+    def stream_closed(self, stream: Stream) -> None:
+        """Before its done frame: with nothing else running, return freed buffers to the
+        system so a long-lived runner stays flat in memory."""
+        if stream in self.streams:
+            self.streams.remove(stream)
+        if not self.streams:
+            device.release_memory()
+
+    def _close_session(self, session: CacheSession, outcome: Outcome, slot: Slot) -> None:
         tail = list(outcome.fed)
         if outcome.final is not None:
             tail.append(outcome.final)
         # A discarded draft head stops short of the target; keep only what every cache holds
         # (recurrent layers: a position they kept, cache.session.level_caches).
-        level_caches(self.all_caches)
+        level_caches(slot.all)
         session.record(tail)
         try:
             session.close()
         except CacheDesyncError:
             log.exception("cache ledgers disagree; dropping the prefix cache")
-            self._invalidate_caches()
+            self._invalidate_caches(slot)
 
-    def _invalidate_caches(self) -> None:
-        """After a failure mid-forward the live caches cannot be trusted: start over."""
+    def _invalidate_caches(self, slot: Slot) -> None:
+        """After a failure mid-forward a slot's caches cannot be trusted: they start over, and
+        the prefix cache forgets everything (its ranges may live in them)."""
         self.prefix.clear()
-        for c in self.all_caches:
+        for c in slot.all:
             c.reset()
-
-    def _generate(
-        self,
-        req: Prepared,
-        session: CacheSession,
-        spec: SpeculationSession | None,
-        ledger: Ledger,
-        emit: Emit,
-        cancelled: Callable[[], bool],
-        times: Timeline,
-    ) -> Outcome:
-        send_frame = self._sender(req, emit)
-        opened = self._opens_think(req.prompt)
-        emitter = Emitter(
-            self.tokenizer, stop=req.stop, max_tokens=req.max_tokens,
-            think_budget=req.think_budget, send=send_frame, prompt_open_think=opened,
-        )  # fmt: skip
-        # A zero think budget on a span the prompt opened closes it before the first token:
-        # the close marker is fed after the prompt, as if the prompt had ended with it.
-        forced = emitter.force_at_start()
-        ledger.force(forced)
-        sequence = [*req.prompt, *forced]
-        feed = [*session.remaining, *forced]
-        on_commit = spec.on_commit if spec is not None else None
-        try:
-            prefill(
-                self.model, self.caches, feed[:-1], session.cached,
-                chunk=self._prefill_chunk, cancelled=cancelled, on_commit=on_commit,
-            )  # fmt: skip
-        except Cancelled:
-            # Keep what prefill finished; level the draft cache with the next token.
-            offset = self.caches[0].offset
-            fed = sequence[len(req.prompt) : offset]
-            outcome = Outcome("cancelled", fed=fed, final=sequence[offset])
-            emitter.finish()
-            return spec.finish(outcome) if spec is not None else outcome
-        sampler = Sampler(
-            req.params,
-            history=sequence,
-            vocab_size=self.info.vocab_size,
-            context_length=self.info.context_length,
-        )
-        rows = LogprobRows(req.top_logprobs) if req.logprobs else None
-
-        def slot() -> int:  # where the token being emitted sits in the sequence
-            return len(req.prompt) + len(ledger.emitted)
-
-        def logprob_entry(sampled) -> pf.TokenLogprob | None:
-            """A plain step's entry: its own row, or the round's row it resumed from."""
-            if rows is None:
-                return None
-            token = int(sampled.token.item())
-            if sampled.logprobs is None:
-                return self._logprob_frame(rows.take(slot(), token))
-            chosen, top_ids, top_lps = sampled.logprobs
-            return self._logprob_frame(
-                LogprobEntry(token, float(chosen.item()), top_ids.tolist(), top_lps.tolist())
-            )
-
-        def push(token: int):
-            """The round driver's emission: the entry from the verify row that decided it."""
-            entry = None if rows is None else self._logprob_frame(rows.take(slot(), token))
-            return emitter.push(token, entry)
-
-        decoder_kind, extra = PlainDecoder, {}
-        if req.constraint is not None:  # speculation parks: drafts are not masked yet
-            decoder_kind, extra = ConstrainedDecoder, {"constraint": req.constraint}
-        decoder = decoder_kind(
-            self.model, self.caches, sampler,
-            top_logprobs=req.top_logprobs if req.logprobs else None, on_commit=on_commit,
-            **extra,
-        )  # fmt: skip
-
-        def first_token() -> None:
-            times.prefill_end_ns = time.perf_counter_ns()
-
-        loop = PlainLoop(
-            decoder, emitter, ledger, max_tokens=req.max_tokens,
-            context_length=self.info.context_length, logprob_entry=logprob_entry,
-            on_first_token=first_token,
-        )  # fmt: skip
-        if spec is None:
-            outcome = decode_plain(loop, feed[-1], cancelled)
-        else:
-            outcome = spec.decode(
-                loop, feed[-1], cancelled, model=self.model, caches=self.caches,
-                sampler=sampler, emit=push, budget=req.max_tokens,
-                speculate=req.speculative and req.constraint is None, logprobs=rows,
-            )  # fmt: skip
-        emitter.finish()
-        return outcome
-
-    @staticmethod
-    def _sender(req: Prepared, emit: Emit) -> Callable[[str, list[int], list | None], None]:
-        def send(content: str, ids: list[int], logprobs: list | None) -> None:
-            emit(pf.Token(id=req.id, content=content, tokens=list(ids), logprobs=logprobs))
-
-        return send
 
     def _logprob_frame(self, entry: LogprobEntry) -> pf.TokenLogprob:
         """One token's logprob entry for a frame, with each token's text and UTF-8 bytes (a

@@ -174,7 +174,7 @@ class Server:
         # Completions being tokenized, then tokenize/detokenize requests, in arrival order.
         self._preparing: collections.deque[Job | Tokenize | Detokenize] = collections.deque()
         self._jobs: dict[str, Job] = {}  # preparing, queued and running completions by id
-        self._running: Job | None = None
+        self._active: list[Job] = []  # running completions, oldest first
         self._closing = False  # no more completions: finish the queue and exit
         self._signalled: int | None = None  # the first shutdown signal, once one arrived
         self._signals_blocked = False  # serve(handle_signals=True) took SIGTERM/SIGINT
@@ -258,8 +258,8 @@ class Server:
                 job.finished = True
                 # Written under the lock so the inference loop cannot exit before they are out.
                 self.writer.write(cancelled_done(job.request.id))
-            if self._running is not None:
-                self._running.cancel.set()
+            for job in self._active:
+                job.cancel.set()
             self._wakeup.notify_all()
 
     def close_input(self) -> None:
@@ -298,6 +298,11 @@ class Server:
         threading.Thread(target=self._prepare_loop, daemon=True, name="prepare").start()
         reader = threading.Thread(target=self.read_loop, args=(read,), daemon=True, name="reader")
         reader.start()
+        if getattr(self.engine, "parallel", 1) > 1:
+            from runner.batch import Scheduler
+
+            self._batch_loop(Scheduler(self.engine))
+            return
         while (job := self._next_job()) is not None:
             self._run_job(job)
 
@@ -311,7 +316,7 @@ class Server:
                     return None
                 self._wakeup.wait()
             job = self._queue.popleft()
-            self._running = job
+            self._active = [job]
             return job
 
     def _run_job(self, job: Job) -> None:
@@ -326,10 +331,51 @@ class Server:
                 self._emit(job, error_frame(request_id, exc))
                 self._emit(job, Done(request_id, "error"))
         finally:
+            self._retire(job)
+
+    def _retire(self, job: Job) -> None:
+        with self._lock:
+            if job in self._active:
+                self._active.remove(job)
+            if self._jobs.get(job.request.id) is job:
+                del self._jobs[job.request.id]
+
+    def _batch_loop(self, scheduler) -> None:
+        """Up to ``engine.parallel`` completions at once (``runner.batch``): queued jobs are
+        admitted in arrival order while a cache slot is free, and every pass advances all
+        the active ones by one step."""
+        jobs: dict[int, Job] = {}
+        while True:
             with self._lock:
-                self._running = None
-                if self._jobs.get(request_id) is job:
-                    del self._jobs[request_id]
+                while not scheduler.active and not self._queue:
+                    if self._closing and not any(isinstance(j, Job) for j in self._preparing):
+                        return
+                    self._wakeup.wait()
+                admitted, room = [], scheduler.room
+                while len(admitted) < room and self._queue:
+                    job = self._queue.popleft()
+                    self._active.append(job)
+                    admitted.append(job)
+            for job in admitted:
+                try:
+                    emit = lambda frame, job=job: self._emit(job, frame)  # noqa: E731
+                    stream = scheduler.admit(job.prepared, emit, job.cancel.is_set)
+                    jobs[id(stream)] = job
+                except Exception as exc:
+                    self._failed(job, exc)
+            for stream in scheduler.step():
+                job = jobs.pop(id(stream))
+                if not job.finished:
+                    self._failed(job, RuntimeError("the engine returned without a done frame"))
+                self._retire(job)
+
+    def _failed(self, job: Job, exc: Exception) -> None:
+        """A completion that failed outside the engine's own handling: error, then done."""
+        log.error("completion %s failed: %s", job.request.id, exc, exc_info=True)
+        if not job.finished:
+            self._emit(job, error_frame(job.request.id, exc))
+            self._emit(job, Done(job.request.id, "error"))
+        self._retire(job)
 
     def _emit(self, job: Job, frame: protocol.Frame) -> None:
         if job.finished:
@@ -342,8 +388,8 @@ class Server:
                 job.finished = True
                 if self._jobs.get(job.request.id) is job:
                     del self._jobs[job.request.id]
-                if self._running is job:
-                    self._running = None
+                if job in self._active:
+                    self._active.remove(job)
                 # A cancel the reader took for this job (under this lock) after the engine's
                 # last check: the documented answer to a running job's cancel is a cancelled
                 # done, never silence; one taken after this point gets unknown_id.
@@ -495,7 +541,7 @@ class Server:
     def _cancel(self, request_id: str) -> None:
         with self._lock:
             job = self._jobs.get(request_id)
-            queued = job is not None and job is not self._running
+            queued = job is not None and job not in self._active
             if job is None:
                 pass
             elif queued:
@@ -545,9 +591,10 @@ class Server:
             queue_length = len(self._queue) + sum(
                 isinstance(j, Job) and not j.finished for j in self._preparing
             )
-            active = self._running.request.id if self._running is not None else None
+            active = [job.request.id for job in self._active]
         values = {name: state[name] for name in STATUS_FIELDS if name in state}
-        return StatusFrame(request.id, queue_length, active, **values)
+        first = active[0] if active else None
+        return StatusFrame(request.id, queue_length, first, **values, active_ids=active)
 
 
 def _ignore_signal(_signum: int, _frame: object) -> None:

@@ -419,3 +419,71 @@ def test_a_long_chat_keeps_one_node_per_turn(model):
         assert len(nodes) == turn + 1
         assert all(n.user for n in nodes[:-1]) and len(nodes[-1].children) == 0
     check_against_fresh(model, served)
+
+
+# ---------------------------------------------------------------------------- several slots
+def _write(cache: KVCache, tokens: list[int], start: int) -> None:
+    """Append positions [start, len(tokens)) whose key is (token, position): a slot's content
+    is right only if the whole prefix before it was restored or written in order."""
+    if len(tokens) > start:
+        ids = mx.array(tokens[start:], dtype=mx.float32)
+        pos = mx.arange(start, len(tokens), dtype=mx.float32)
+        rows = mx.stack([ids, pos], axis=-1).reshape(1, 1, len(tokens) - start, 2)
+        cache.update_and_fetch(rows, -rows)
+        mx.eval(cache.state)
+
+
+def _check(cache: KVCache, tokens: list[int], upto: int) -> None:
+    if upto:
+        keys = np.array(cache.keys[0, 0, :upto])
+        np.testing.assert_array_equal(keys[:, 0], np.array(tokens[:upto], dtype=np.float32))
+        np.testing.assert_array_equal(keys[:, 1], np.arange(upto, dtype=np.float32))
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 10, 1 << 20], ids=["no-budget", "tight", "roomy"])
+def test_concurrent_slots_restore_only_what_their_prefix_holds(budget):
+    """Three cache slots with sessions open at once over prompts that share prefixes: every
+    restore holds exactly the prompt's cached prefix, whichever slot indexed it and whatever
+    the others did since (eviction, splits, copies out of another slot's live buffers)."""
+    rng = random.Random(3)
+    stems = [[rng.randrange(50) for _ in range(rng.randrange(3, 40))] for _ in range(4)]
+    pc = PrefixCache([KVCache(), KVCache()], budget)
+    slots = [0, pc.add_slot([KVCache(), KVCache()]), pc.add_slot([KVCache(), KVCache()])]
+    open_ = {}
+    hits = 0
+    for _ in range(120):
+        slot = rng.choice(slots)
+        caches = pc.slots[slot].caches
+        if slot in open_:  # finish the open request: prefill, generate, close
+            session, prompt = open_.pop(slot)
+            answer = [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+            fed = prompt + answer[:-1] if answer else prompt[:-1]
+            for c in caches:
+                _write(c, fed, c.offset)
+            session.record(answer)
+            session.close()
+            continue
+        stem = rng.choice(stems)
+        prompt = stem[: rng.randrange(1, len(stem) + 1)] + [
+            rng.randrange(50) for _ in range(rng.randrange(1, 8))
+        ]
+        session = pc.begin(prompt, slot)
+        hits += session.cached
+        for c in caches:
+            assert c.offset == session.cached
+            _check(c, prompt, session.cached)
+        open_[slot] = (session, prompt)
+        # every slot's live path is attached to the trie, and the counts are the nodes'
+        reachable = {id(n) for n in pc.trie.nodes()} | {id(pc.trie.root)}
+        assert all(id(n) in reachable for s in pc.slots for n in s.live)
+        assert pc.trie.nbytes == pc.trie.recount()
+        assert pc.trie.entries == sum(1 for n in pc.trie.nodes() if n.snapshots)
+    assert hits > 0
+    if budget:
+        assert pc.nbytes <= budget or pc.trie.entries <= 3
+
+
+def test_a_slot_must_match_the_first():
+    pc = PrefixCache([KVCache(), KVCache()], 0)
+    with pytest.raises(ValueError, match="cache slot"):
+        pc.add_slot([KVCache()])

@@ -186,7 +186,7 @@ def test_a_feed_dependent_rope_runs_whole_prompts_without_cache_or_speculation()
     )
     engine = Engine(EngineOptions(model_path=path, prefill_chunk=8))
     assert engine.feed_dependent and not engine.info.mtp and "RoPE" in engine.info.mtp_detail
-    assert not engine.prefix.enabled and engine._prefill_chunk == engine.info.context_length
+    assert not engine.prefix.enabled and engine.chunk == engine.info.context_length
     first = complete(engine, tokens=list(range(3, 40)), num_predict=6, **GREEDY)
     again = complete(engine, tokens=list(range(3, 40)), num_predict=6, **GREEDY)
     assert first[0] == again[0] and again[2].prompt_cached_tokens == 0

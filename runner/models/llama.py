@@ -5,7 +5,7 @@ Parameter names follow Hugging Face checkpoints so safetensors load without rena
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -427,6 +427,18 @@ class Model(nn.Module):
         built, layer ``i``'s cache already appended: prefill evaluates and polls for a cancel
         there. An exception it raises leaves layers ``0..i`` appended and the rest untouched.
         """
+        x = None
+        for index, x in self.layer_outputs(tokens, caches, mask):
+            if on_layer is not None:
+                on_layer(index, x)
+        return x if prenorm else self.model.norm(x)
+
+    def layer_outputs(
+        self, tokens: mx.array, caches: list[KVCache], mask: Mask = None
+    ) -> Iterator[tuple[int, mx.array]]:
+        """:meth:`hidden` one layer at a time: yields ``(i, x)`` once layer ``i``'s graph is
+        built (its cache appended), before the final norm. A caller may evaluate and pause
+        between layers (prefill interleaved with other requests' decode steps)."""
         x = self.embed(tokens)
         offset, length = caches[0].offset, tokens.shape[1]
         attn0 = self.model.layers[0].self_attn
@@ -458,9 +470,55 @@ class Model(nn.Module):
                     offset, length, x.dtype
                 )
             x = layer(x, layer_mask, cache, rope)
-            if on_layer is not None:
-                on_layer(index, x)
-        return x if prenorm else self.model.norm(x)
+            yield index, x
+
+    def rows_refusal(self) -> str | None:
+        """Why :meth:`hidden_rows` cannot serve this model (None: it can). It needs blocks of
+        the ``DecoderLayer`` shape over full-attention caches and a RoPE that does not depend
+        on the feed; sliding windows and recurrent layers keep per-sequence state it does not
+        batch."""
+        for layer in self.model.layers:
+            if type(layer).__call__ is not DecoderLayer.__call__:
+                return f"{type(layer).__name__} blocks are not batched across sequences"
+            if layer.window is not None:
+                return "sliding-window layers are not batched across sequences"
+            if layer.self_attn.rope.depends_on_feed:
+                return "the RoPE depends on how tokens are fed"
+        return None
+
+    def hidden_rows(self, tokens: mx.array, caches: list[list[KVCache]]) -> mx.array:
+        """One decode row for each of several sequences: ``tokens`` ``[R]``, row i fed after
+        ``caches[i]`` (a per-layer cache list, each at its own offset); returns the post-norm
+        hiddens ``[R, D]``.
+
+        The rows share every product (one pass over the weights, the point of batching);
+        each attends over its own cache. Row i computes exactly what :meth:`hidden` computes
+        for one row after ``caches[i]`` wherever the products' arithmetic does not depend on
+        the row count (``runner.native``'s panel product, which the CPU layout uses): the
+        RoPE tables, norms and attention are per row."""
+        rows = tokens.shape[0]
+        if rows != len(caches):
+            raise ValueError(f"{rows} rows for {len(caches)} cache lists")
+        x = self.embed(tokens.reshape(1, rows))
+        positions = [c[0].offset for c in caches]
+        tables: dict[str, RopeTables] = {}
+        for index, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            rope = tables.get(layer.rope_group)
+            if rope is None:
+                rope = tables[layer.rope_group] = attn.rope.row_tables(positions, x.dtype)
+            before, after = layer.before_cache, layer.after_attention
+            if layer.compiled is not None and layer.compiled.serves(x):
+                before, after = layer.compiled.before_cache, layer.compiled.after_attention
+            q, k, v = before(x, *rope)
+            parts = [
+                attn.attend_cached(
+                    q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], None, row[index]
+                )
+                for i, row in enumerate(caches)
+            ]
+            x = after(x, parts[0] if rows == 1 else mx.concatenate(parts, axis=2))
+        return self.model.norm(x)[0]
 
     def unembed(self, hidden: mx.array) -> mx.array:
         """Project post-norm hidden rows to vocabulary logits."""

@@ -128,8 +128,21 @@ class RoPE(nn.Module):
             if self.depends_on_feed:
                 return (offset_array, self.periods(offset, length))
             return (offset_array,)
-        pos = mx.arange(offset, offset + length, dtype=mx.float32) * self.scale
-        angles = pos[:, None] / self.periods(offset, length)[None, :]
+        positions = mx.arange(offset, offset + length, dtype=mx.float32)
+        return self._composed(positions, self.periods(offset, length), dtype)
+
+    def row_tables(self, positions: list[int], dtype: mx.Dtype = mx.float32) -> RopeTables:
+        """Composed tables for rows at arbitrary ``positions`` (a batched decode step, one row
+        per sequence), in either mode: row i gets exactly the values :meth:`tables` gives for
+        one row at ``positions[i]``. Not for a variant whose periods depend on the feed."""
+        if self.depends_on_feed:
+            raise ValueError(f"{self.kind} RoPE depends on the feed: no per-row tables")
+        return self._composed(mx.array(positions, dtype=mx.float32), self._period_table, dtype)
+
+    def _composed(self, positions: mx.array, periods: mx.array, dtype: mx.Dtype) -> RopeTables:
+        length = positions.shape[0]
+        pos = positions * self.scale
+        angles = pos[:, None] / periods[None, :]
         if self.traditional:
             angles = mx.repeat(angles, 2, axis=1)
         else:

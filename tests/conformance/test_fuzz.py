@@ -139,3 +139,47 @@ def test_fuzz_corpus_is_fixed_and_varied():
     first, second = malformed_lines(200, SEED), malformed_lines(200, SEED)
     assert first == second
     assert len(set(first)) > 100
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_fuzz_with_four_streams_active_leaves_their_output_unchanged(spawn, own_runner):
+    """The malformed lines while four long greedy completions decode together (--parallel 4,
+    the default): every line still gets its one error, and each completion streams exactly
+    the tokens it streams alone."""
+    if not own_runner:
+        pytest.skip("runs this runner's default --parallel")
+    runner = await spawn("--parallel", "4")
+
+    def request(rid: str, i: int, n: int) -> dict:
+        options = {"temperature": 0, "num_predict": n, "repeat_penalty": 1.0}
+        return {"type": "completion", "id": rid, "prompt": f"Story {i} begins", "options": options}
+
+    alone = []
+    for i in range(4):
+        await runner.send(request(f"solo{i}", i, 3000))
+        tokens, _ = await runner.completion(f"solo{i}", timeout=120)
+        alone.append([t for f in tokens for t in f["tokens"]])
+    for i in range(4):
+        await runner.send(request(f"busy{i}", i, 3000))
+    await runner.send({"type": "status", "id": "st"})
+    status = await runner.reply("st", timeout=60)
+    lines = malformed_lines(300, SEED + 1)
+    await runner.send(b"".join(line + b"\n" for line in lines))
+    # Requests that fail at admission: a token outside the vocabulary, a prompt past the context.
+    context = runner.ready["context_length"]
+    await runner.send({"type": "completion", "id": "bad-tokens", "tokens": [10**6]})
+    await runner.send({"type": "completion", "id": "too-long", "tokens": [1] * (context + 5)})
+    errors = await runner.before_fence(lambda f: f["type"] == "error", timeout=120)
+    await runner.send({"type": "status", "id": "st2"})
+    during = await runner.reply("st2", timeout=60)
+    assert len(errors) == 302
+    codes = {e["id"]: e["code"] for e in errors}
+    assert codes["bad-tokens"] == "bad_request" and codes["too-long"] == "context_overflow"
+    outputs = []
+    for i in range(4):
+        tokens, done = await runner.completion(f"busy{i}", timeout=300)
+        outputs.append([t for f in tokens for t in f["tokens"]])
+        assert done["done_reason"] in ("stop", "length")
+    assert len(status["active_ids"]) + status["queue_length"] == 4
+    assert len(during["active_ids"]) == 4, during  # all four decoded through the fuzz
+    assert outputs == alone

@@ -1,0 +1,203 @@
+"""Continuous batching (``runner.batch``): several completions decoding in shared forwards
+give each exactly what it gives alone; cancels, failures and the prefix cache per stream."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from protocol.frames import Done, Error, Token
+from protocol.requests import Completion, Options
+from runner.batch import Scheduler
+from runner.decoder import prefill
+from runner.engine import Engine, EngineOptions
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+QUESTIONS = [
+    "Tell me about cats.",
+    "What is 2+2? Explain.",
+    "Write a haiku about rain.",
+    "List three colors.",
+    "Why is the sky blue?",
+    "Name a fruit and describe it.",
+    "Describe Paris in two sentences.",
+    "What is Python used for?",
+]
+
+
+def request(rid: str, question: str, **options) -> Completion:
+    options.setdefault("temperature", 0.0)
+    return Completion(id=rid, prompt=CHAT.format(question), options=Options(**options))
+
+
+class Collector:
+    """Frames of one completion, as the server's emit receives them."""
+
+    def __init__(self, fail_on_token: int | None = None) -> None:
+        self.frames: list = []
+        self.fail_on_token = fail_on_token
+
+    def __call__(self, frame) -> None:
+        if isinstance(frame, Token) and self.fail_on_token is not None:
+            if sum(isinstance(f, Token) for f in self.frames) + 1 == self.fail_on_token:
+                raise RuntimeError("host-side fault on a token frame")
+        self.frames.append(frame)
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for f in self.frames if isinstance(f, Token) for t in f.tokens]
+
+    @property
+    def done(self) -> Done | None:
+        done = [f for f in self.frames if isinstance(f, Done)]
+        assert len(done) <= 1, "more than one done frame"
+        return done[0] if done else None
+
+
+def alone(engine: Engine, req: Completion) -> Collector:
+    out = Collector()
+    engine.run(engine.prepare(req), out, lambda: False)
+    return out
+
+
+def together(engine: Engine, reqs, cancel_after=None, fail=None, max_steps=100_000):
+    """Admit every request at once (the first ``engine.parallel``, the rest as slots free
+    up, in order) and step until all are done. ``cancel_after``: {id: tokens} cancels a
+    stream once it streamed that many; ``fail``: {id: n} makes its n-th token frame raise."""
+    scheduler = Scheduler(engine)
+    outs = {r.id: Collector((fail or {}).get(r.id)) for r in reqs}
+    flags = {r.id: False for r in reqs}
+    queue = list(reqs)
+    active = 0
+    steps = 0
+    while queue or active:
+        while queue and scheduler.room:
+            r = queue.pop(0)
+            scheduler.admit(engine.prepare(r), outs[r.id], lambda rid=r.id: flags[rid])
+            active += 1
+        active -= len(scheduler.step())
+        for rid, n in (cancel_after or {}).items():
+            if len(outs[rid].ids) >= n:
+                flags[rid] = True
+        steps += 1
+        assert steps < max_steps
+    return outs, scheduler
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return Engine(EngineOptions(model_path=default_model, parallel=4))
+
+
+def test_a_shared_forward_row_equals_a_forward_of_its_own(engine):
+    """Model.hidden_rows: each row's hidden has the bits of a one-row forward after its own
+    prompt, whatever else is in the batch."""
+    model = engine.model
+    prompts = [engine.tokenize(CHAT.format(q)) for q in QUESTIONS[:5]]
+    solo, caches = [], []
+    for p in prompts:
+        c = model.make_caches()
+        prefill(model, c, p[:-1], 0)
+        h = model.hidden(mx.array([[p[-1]]]), c)
+        solo.append(np.array(h[0, 0]))
+        c2 = model.make_caches()
+        prefill(model, c2, p[:-1], 0)
+        caches.append(c2)
+    rows = model.hidden_rows(mx.array([p[-1] for p in prompts]), caches)
+    for i, p in enumerate(prompts):
+        assert np.array_equal(np.array(rows[i]), solo[i])
+        assert all(c.offset == len(p) for c in caches[i])
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_eight_requests_at_once_give_what_each_gives_alone(engine, sampled):
+    extra = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 7} if sampled else {}
+    reqs = [
+        request(f"r{i}", q, num_predict=6 + 5 * i, repeat_penalty=1.0, **extra)
+        for i, q in enumerate(QUESTIONS)
+    ]
+    expected = {r.id: alone(engine, r).ids for r in reqs}
+    outs, scheduler = together(engine, reqs)
+    assert scheduler.shared_steps > 0
+    for r in reqs:
+        assert outs[r.id].ids == expected[r.id], r.id
+        assert outs[r.id].done.done_reason in ("length", "stop")
+    # A lone stream speculates with the shipped head: the done frames say rounds ran.
+    assert any(alone(engine, reqs[0]).done.speculation.rounds for _ in range(1))
+
+
+def test_cancelling_one_stream_leaves_the_others_unchanged(engine):
+    reqs = [request(f"c{i}", q, num_predict=24) for i, q in enumerate(QUESTIONS[:4])]
+    expected = {r.id: alone(engine, r).ids for r in reqs}
+    outs, _ = together(engine, reqs, cancel_after={"c1": 3})
+    assert outs["c1"].done.done_reason == "cancelled"
+    assert outs["c1"].ids == expected["c1"][: len(outs["c1"].ids)]
+    assert len(outs["c1"].ids) < len(expected["c1"])
+    for rid in ("c0", "c2", "c3"):
+        assert outs[rid].ids == expected[rid]
+
+
+def test_a_stream_that_fails_does_not_disturb_the_others(engine):
+    reqs = [request(f"f{i}", q, num_predict=20) for i, q in enumerate(QUESTIONS[:4])]
+    expected = {r.id: alone(engine, r).ids for r in reqs}
+    outs, _ = together(engine, reqs, fail={"f2": 3})
+    failed = outs["f2"]
+    assert failed.done.done_reason == "error"
+    assert any(isinstance(f, Error) for f in failed.frames)
+    for rid in ("f0", "f1", "f3"):
+        assert outs[rid].ids == expected[rid]
+    # and the engine serves on, with the same answers
+    assert alone(engine, reqs[2]).ids == expected["f2"]
+
+
+def test_interleaved_multi_turn_chats_keep_their_prefix_hits(engine):
+    """Two chats, their turns submitted together: every second turn restores its own
+    history from the prefix cache, though the other chat decoded in between."""
+    history = {"a": CHAT.format("Tell me a fact about owls."), "b": CHAT.format("Name a river.")}
+    held = {"a": 0, "b": 0}  # what the previous turn left in the cache: prompt + answer
+    for turn in range(3):
+        reqs = [
+            Completion(
+                id=f"{k}{turn}", prompt=history[k], options=Options(temperature=0, num_predict=12)
+            )  # fmt: skip
+            for k in history
+        ]
+        outs, _ = together(engine, reqs)
+        for k in history:
+            out = outs[f"{k}{turn}"]
+            # all of it, but the last position (pair keys: a slot is keyed by its successor)
+            if turn:
+                assert out.done.prompt_cached_tokens == held[k] - 1, (k, turn)
+            held[k] = len(engine.tokenize(history[k])) + len(out.ids)
+            text = engine.detokenize(out.ids)
+            history[k] += text + "<|im_end|>\n<|im_start|>user\nAnd more?<|im_end|>\n"
+            history[k] += "<|im_start|>assistant\n"
+
+
+def test_parallel_falls_back_to_one_for_models_it_cannot_batch(checkpoint_factory):
+    sliding = checkpoint_factory("mistral", sliding_window=8)
+    engine = Engine(EngineOptions(model_path=sliding, parallel=4, use_draft=False))
+    assert engine.parallel == 1 and "sliding" in engine.parallel_detail
+    assert len(engine.slots) == 1
+
+
+def test_tiny_models_of_each_batched_family_match_alone(checkpoint_factory):
+    """qwen3 (q/k norms) and qwen2 (q/k/v biases) through the scheduler: the same greedy
+    tokens as alone, and the rows of a shared forward equal one-row forwards."""
+    for family in ("qwen3", "qwen2"):
+        engine = Engine(EngineOptions(model_path=checkpoint_factory(family), parallel=3))
+        assert engine.parallel == 3
+        reqs = [
+            Completion(
+                id=f"{family}{i}",
+                tokens=[5 + i, 17, 33 + 3 * i],
+                options=Options(temperature=0, num_predict=10 + i),
+            )  # fmt: skip
+            for i in range(5)
+        ]
+        expected = {r.id: alone(engine, r).ids for r in reqs}
+        outs, scheduler = together(engine, reqs)
+        assert scheduler.shared_steps > 0
+        for r in reqs:
+            assert outs[r.id].ids == expected[r.id]
