@@ -173,14 +173,18 @@ class Decoding:
         self.driver = driver
         self.logprobs = logprobs
         self.session = session
+        self.cur_token: int | None = None  # ``cur`` read and emitted, while it is being fed
 
     def run(self) -> Outcome:
         while (outcome := self.step()) is None:
             pass
         return outcome
 
-    def _end(self, outcome: Outcome) -> Outcome:
+    def ended(self, outcome: Outcome) -> Outcome:
+        """Generation ended with ``outcome`` (in a step the caller ran itself)."""
         return self.session.finish(outcome) if self.session is not None else outcome
+
+    _end = ended
 
     def cancel_check(self) -> Outcome | None:
         """The outcome of a cancel seen before a step, else None."""

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from cache.ledger import Outcome
 from runner.stream import Slot, Stream
 
 log = logging.getLogger("mtp_runner.batch")
@@ -88,6 +89,10 @@ class Scheduler:
         else:
             start = time.perf_counter()
             self._shared_step(decoding)
+            if waiting:
+                # Wait for the forward here, so that its time is the prefill's budget and the
+                # prefill's own clock starts on an idle stream.
+                mx.eval([s.decoding.cur.token for s in decoding if s.decoding and not s.finished])
             self.shared_s = time.perf_counter() - start
             self._was_shared = True
             self.shared_steps += 1
@@ -110,28 +115,25 @@ class Scheduler:
         except Exception as exc:  # one request's failure never takes the runner down
             stream.fail(exc)
 
-    def cancel_all(self) -> None:
-        """Nothing to do here: each stream polls its own cancel flag every step."""
-
     # ------------------------------------------------------------------ the shared forward
     def _shared_step(self, streams: list[Stream]) -> None:
-        """One forward feeding every stream its current token (its seed, for a stream whose
-        prompt just went in), then each stream's own step on its row of the result."""
+        """Each stream's current token is emitted (it was computed by the previous forward),
+        then one forward feeds every stream that goes on its token (its seed, for a stream
+        whose prompt just went in). Emitting before the feed, not while the forward runs as
+        a lone stream's pipelined step does, sends each token a step earlier and leaves
+        nothing to unfeed when a token ends its stream; the host work it puts ahead of the
+        forward is small next to a forward over several rows."""
         rows: list[tuple[Stream, mx.array, int, bool]] = []
-        unfed: list[Stream] = []
         for s in streams:
             try:
                 if s.seed is not None:
                     seed = mx.array([s.seed], dtype=mx.int32)
                     rows.append((s, *s.decoder.row_feed(seed, append=False), True))
                     continue
-                outcome = s.decoding.cancel_check()
-                if outcome is not None:
-                    s.end(outcome)
-                elif s.loop.is_last():
-                    unfed.append(s)  # emitted without a forward
-                else:
-                    rows.append((s, *s.decoder.row_feed(s.decoding.cur.token, append=True), False))
+                token = self._emit_current(s)
+                if token is not None:
+                    fed = mx.array([token], dtype=mx.int32)
+                    rows.append((s, *s.decoder.row_feed(fed, append=True), False))
             except Exception as exc:
                 s.fail(exc)
         samples = self._forward(rows)
@@ -142,19 +144,44 @@ class Scheduler:
                 if seeded:
                     s.started(sampled)
                     continue
-                s.decoder.prefetched = sampled
-                self._own_step(s)
+                s.ledger.commit([s.decoding.cur_token])
+                s.decoder.commit(sampled)
+                s.decoding.cur = sampled
             except Exception as exc:
                 s.fail(exc)
-        for s in unfed:
-            self._guard(s, lambda s=s: self._own_step(s))
 
     @staticmethod
-    def _own_step(s: Stream) -> None:
-        outcome = s.decoding.stepped(s.loop.step(s.decoding.cur))
-        s.decoder.prefetched = None
+    def _emit_current(s: Stream) -> int | None:
+        """Emit ``s``'s current token as a plain step would; the token to feed when the stream
+        goes on (None: it ended, or fed its own forward for forced close markers)."""
+        decoding, loop = s.decoding, s.loop
+        outcome = decoding.cancel_check()
         if outcome is not None:
             s.end(outcome)
+            return None
+        last = loop.is_last()
+        cur = decoding.cur
+        token = loop.read(cur)
+        step = loop.emitter.push(token, loop.logprob_entry(cur))
+        loop.ledger.emit(token, step.forced, counted=step.keep)
+        if not step.keep:  # EOS: emitted, never fed
+            s.end(decoding.ended(Outcome(step.reason or "stop", loop.fed, token)))
+        elif last or step.finished:  # the budget, the context or a stop string: not fed
+            reason = step.reason or ("length" if last else "stop")
+            s.end(decoding.ended(Outcome(reason, loop.fed, token)))
+        elif step.forced:
+            # A close marker follows the token: the stream feeds both in forwards of its own,
+            # one after the other, as a plain step does.
+            loop.ledger.commit([token])
+            s.decoder.commit(s.decoder.feed_forced([token]))
+            nxt = s.decoder.feed_forced(step.forced)
+            loop.ledger.commit(step.forced)
+            s.decoder.commit(nxt)
+            decoding.cur = nxt
+        else:
+            decoding.cur_token = token
+            return token
+        return None
 
     def _forward(self, rows: list[tuple[Stream, mx.array, int, bool]]) -> list:
         """The shared forward and each row's sample (lazy, dispatched); None for a row whose

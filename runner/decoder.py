@@ -59,6 +59,15 @@ def chunk_ends(start: int, end: int, chunk: int) -> list[int]:
     return [*range(start + chunk, end, chunk), end]
 
 
+def dispatch_layer(index: int, x: mx.array) -> None:
+    """``on_layer`` hook of a decode forward: start evaluating each layer as soon as its graph
+    is built. MLX lets only a bounded number of tasks be in flight, so one ``async_eval`` at
+    the end of a forward waits while most of it computes, and the graph of the next layers is
+    built after the previous ones ran; dispatching layer by layer overlaps building with
+    computing (the values are the same: only when they are computed changes)."""
+    mx.async_eval(x)
+
+
 def takes_layer_hook(model) -> bool:
     """Whether ``model.hidden`` accepts ``on_layer`` (``runner.models.llama.Model.hidden``):
     such models are evaluated and polled layer by layer inside long chunks, and a chunk
@@ -265,6 +274,7 @@ class PlainDecoder:
         self.top_logprobs = top_logprobs
         self.on_commit = on_commit
         self.forwards = 0
+        self._layer_hook = {"on_layer": dispatch_layer} if takes_layer_hook(model) else {}
 
     @property
     def position(self) -> int:
@@ -274,7 +284,7 @@ class PlainDecoder:
     def _feed(self, tokens: mx.array, append: bool) -> Sampled:
         """Dispatch one forward over ``tokens`` and the sample of the token after them."""
         tokens, position = self.row_feed(tokens, append)
-        hidden = self.model.hidden(tokens[None], self.caches)
+        hidden = self.model.hidden(tokens[None], self.caches, **self._layer_hook)
         sampled = self.row_sample(tokens, hidden[0], self.model.unembed(hidden[:, -1])[0], position)
         mx.async_eval(sampled.token, hidden, *(sampled.logprobs or ()), self.cache_state())
         return sampled
@@ -283,11 +293,8 @@ class PlainDecoder:
         """What to evaluate with a step so no lazy graph accumulates across steps."""
         return [c.state for c in self.caches]
 
-    # A forward shared with other requests (``runner.batch``) runs a step in three parts:
-    # ``row_feed`` before it, ``row_sample`` on this request's rows of its output, and the
-    # result set as ``prefetched``, which the next ``advance`` returns instead of a forward.
-    prefetched: Sampled | None = None
-
+    # A forward shared with other requests (``runner.batch``) feeds a token in two parts:
+    # ``row_feed`` before it, ``row_sample`` on this request's rows of its output.
     def row_feed(self, tokens: mx.array, append: bool) -> tuple[mx.array, int]:
         """Record ``tokens`` as fed (``append``: generated ones, into the penalty history);
         returns them as int32 ``[L]`` and the position of the first."""
@@ -320,11 +327,7 @@ class PlainDecoder:
         return self._feed(mx.array([seed], dtype=mx.int32), append=False)
 
     def advance(self, sampled: Sampled) -> Sampled:
-        """Dispatch the forward feeding ``sampled`` (still lazy); return its successor (the
-        ``prefetched`` one when a shared forward already fed it)."""
-        if self.prefetched is not None:
-            nxt, self.prefetched = self.prefetched, None
-            return nxt
+        """Dispatch the forward feeding ``sampled`` (still lazy); return its successor."""
         return self._feed(sampled.token, append=True)
 
     def feed_forced(self, tokens: Sequence[int]) -> Sampled:

@@ -157,12 +157,15 @@ class Stream:
                 self._x = None
             with blas.wide() if THREADS.wide else contextlib.nullcontext():
                 for index, x in self._layers:
+                    mark = time.perf_counter()
                     mx.eval(x, caches[index].state)
                     self._x = x
                     if self.cancelled():
                         self._rewind_chunk()
                         raise Cancelled(self.position)
-                    if not whole_chunk and time.perf_counter() - start >= budget_s:
+                    # Stop before a layer that would overrun the budget (at least one ran).
+                    now = time.perf_counter()
+                    if not whole_chunk and now + (now - mark) - start > budget_s:
                         return
             self._commit_chunk()
             if whole_chunk or time.perf_counter() - start >= budget_s:

@@ -111,9 +111,28 @@ def newcomer_ttft(side: Streams, n: int, decode: int, tag: str) -> dict:
     if others:  # wait until every other stream decodes
         side.collect(ids, until=lambda out: all(len(out[r]["tokens"]) >= 8 for r in others))
     t1 = side.send(f"{tag}-new", newcomer, 4)
-    out = side.collect(ids - set())
+    out = side.collect(ids)
     ttft = out[f"{tag}-new"]["tokens"][0][0] - t1
     return {"ttft": ttft, "solo_ttft": solo_ttft, "ratio": ttft / solo_ttft}
+
+
+def rate_while_prefilling(side: Streams, n: int, decode: int, tag: str, long: list[int]) -> dict:
+    """The decode rate of ``n - 1`` streams while a long prompt is admitted (from its send to
+    its first token), against their rate just before it was sent (once all of them decode)."""
+    others = {f"{tag}-p{i}": side.tokenize(prompt_text(f"{tag}-p", i)) for i in range(n - 1)}
+    for rid, p in others.items():
+        side.send(rid, p, decode)
+    ids = set(others) | {f"{tag}-long"}
+    out = side.collect(ids, until=lambda o: all(len(o[r]["tokens"]) >= 24 for r in others))
+    sent = side.send(f"{tag}-long", long, 2)
+    rest = side.collect(ids)
+    first = rest[f"{tag}-long"]["tokens"][0][0]
+    span = first - sent
+    arrivals = [t for r in others for t, _ in out[r]["tokens"] + rest[r]["tokens"]]
+    settled = max(out[r]["tokens"][7][0] for r in others)  # every stream decoding by then
+    during = sum(sent <= t < first for t in arrivals) / span
+    before = sum(settled <= t < sent for t in arrivals) / (sent - settled)
+    return {"during": during, "before": before, "share": during / before, "ttft_s": span}
 
 
 # ----------------------------------------------------------------------------- mlx-lm side
@@ -159,6 +178,8 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=128, help="tokens per stream")
     parser.add_argument("--streams", default="1,2,4,8", help="stream counts")
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm side")
+    parser.add_argument("--long-prompt", type=int, default=1500,
+                        help="tokens of the prompt admitted while 3 streams decode")  # fmt: skip
     parser.add_argument("--out", default="parallel.json", help="file name under bench-results/")
     parser.add_argument("--mlx-lm-worker", metavar="HF_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -189,6 +210,8 @@ def main() -> int:
                                   "parallel-mlx-lm.log", env=env)  # fmt: skip
     runs: dict = {name: {n: [] for n in counts} for name in sides}
     ttft: dict = {name: {n: [] for n in counts} for name in RUNNER_SIDES}
+    shares: dict = {name: [] for name in RUNNER_SIDES}
+    corpus = bc.corpus_text()[: 12 * args.long_prompt]
     started = time.perf_counter()
     try:
         for name in RUNNER_SIDES:  # untimed: compiled shapes, first-call allocations
@@ -206,16 +229,19 @@ def main() -> int:
                         r = runner_round(sides[name], n, args.decode, tag)
                         ttft[name][n].append(newcomer_ttft(sides[name], n, args.decode, tag))
                     runs[name][n].append(r)
+                    if name != MLX_LM and n == 4:
+                        long = tokenize(f"Run {tag}.\n{corpus}")[: args.long_prompt]
+                        shares[name].append(rate_while_prefilling(sides[name], 4, 512, tag, long))
                     line = f"rep {rep} {name:22s} {n} streams: {r['aggregate']:6.1f} tok/s"
                     print(f"{line} aggregate, {r['per_stream']:5.1f} per stream", file=sys.stderr)
     finally:
         for side in sides.values():
             side.close()
-    report(args, counts, runs, ttft, time.perf_counter() - started)
+    report(args, counts, runs, ttft, shares, time.perf_counter() - started)
     return 0
 
 
-def report(args, counts, runs, ttft, elapsed) -> None:
+def report(args, counts, runs, ttft, shares, elapsed) -> None:
     rows, summary = [], {}
     for name, by_n in runs.items():
         one = bc.median([r["aggregate"] for r in by_n[counts[0]]])
@@ -230,10 +256,18 @@ def report(args, counts, runs, ttft, elapsed) -> None:
                                         "vs_one": agg / one, "ttft_ratio": ratio}  # fmt: skip
     print(bc.markdown_table(["side", "streams", "aggregate tok/s", "per-stream tok/s",
                              "aggregate / 1 stream", "newcomer TTFT / solo"], rows))  # fmt: skip
+    for name, got in shares.items():
+        if got:
+            share = bc.median([g["share"] for g in got])
+            ttft_s = bc.median([g["ttft_s"] for g in got])
+            long = f"a {args.long_prompt}-token prompt"
+            print(f"{name}: 3 streams keep {share:.2f}x their rate while {long} prefills "
+                  f"(its TTFT {ttft_s:.2f} s)")  # fmt: skip
     path = bc.write_json(args.out, {
         "streams": counts, "decode": args.decode, "reps": args.reps, "summary": summary,
         "runs": {k: {str(n): v for n, v in by.items()} for k, by in runs.items()},
         "ttft": {k: {str(n): v for n, v in by.items()} for k, by in ttft.items()},
+        "prefill_share": shares,
         "elapsed_s": elapsed, "environment": bc.environment(),
     })  # fmt: skip
     print(f"wrote {path}", file=sys.stderr)

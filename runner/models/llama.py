@@ -518,6 +518,8 @@ class Model(nn.Module):
                 for i, row in enumerate(caches)
             ]
             x = after(x, parts[0] if rows == 1 else mx.concatenate(parts, axis=2))
+            # Start each layer as soon as it is built (runner.decoder.dispatch_layer says why).
+            mx.async_eval(x)
         return self.model.norm(x)[0]
 
     def unembed(self, hidden: mx.array) -> mx.array:
