@@ -27,6 +27,11 @@ from drafting.logprobs import LogprobRows
 from drafting.rounds import HeadError, HostError, Replay, TargetError, Verification
 from drafting.session import DraftSession
 
+# A token the grammar forces (the only one its mask allows) is drafted as it is, whatever the
+# head would draw: the target's masked draw can be nothing else, so it is always accepted.
+# False drafts it from the head's masked logits like any other (a benchmark's comparison).
+FORCED_DRAFTS = True
+
 
 class MlxRoundOps:
     """``RoundOps`` over a target model, its caches, a draft session and the request's
@@ -40,6 +45,7 @@ class MlxRoundOps:
         draft: DraftSession | None,
         sampler,
         logprobs: LogprobRows | None = None,
+        constraint=None,
     ) -> None:
         self.model = model
         self.caches = caches
@@ -48,6 +54,9 @@ class MlxRoundOps:
         self.draft = draft
         self.sampler = sampler
         self.logprobs = logprobs  # filled from every deciding row when the request asks
+        # Constrained output (``runner.constraint.Constraint``): the matcher follows every fed
+        # token, as the penalty history does; drafts and verify rows are masked by it.
+        self.constraint = constraint
         self._x_at: int | None = None  # position of the current x once it is in the history
         self._verified: tuple[int, list[int]] | None = None  # (entry position, drafts)
 
@@ -92,25 +101,72 @@ class MlxRoundOps:
             self._verified = None
             retained = drafts[: max(position - entry - 1, 0)]
             if retained:
-                self.sampler.append(retained)
+                self._history(retained)
+
+    def _history(self, tokens: list[int]) -> None:
+        """``tokens`` stay in the caches: into the penalty history and through the matcher."""
+        self.sampler.append(tokens)
+        if self.constraint is not None:
+            for token in tokens:
+                self.constraint.consume(token)
 
     def _feed_x(self, x: int) -> None:
         """Put x (about to be fed at ``position``) in the penalty history, once."""
         if self._x_at != self.position:
-            self.sampler.append(x)
+            self._history([x])
             self._x_at = self.position
 
     # -- head -------------------------------------------------------------------------------
 
     def head_step(self, current: int, k: int):
         self._feed_x(current)  # d1 is penalised with x in the window, like the target's row
+        constrain, consumed = self._draft_constraint()
         try:
-            proposal = self.draft.propose(current, k, self.sampler, slot=self.position + 1)
+            proposal = self.draft.propose(
+                current, k, self.sampler, slot=self.position + 1, constrain=constrain
+            )
         except Exception as exc:
             raise HeadError(f"draft head failed: {exc}") from exc
+        finally:
+            if consumed:  # the matcher back at x, where the verify feed starts
+                self.constraint.rollback(consumed[0])
         if proposal is None:
             raise HostError("draft head was not ready to propose")
         return proposal
+
+    def _draft_constraint(self):
+        """The head's masks along its own draft chain (each draft read as it is drawn, the
+        matcher advanced by it) and the count it advanced, to roll back."""
+        if self.constraint is None:
+            return None, []
+        constraint, consumed = self.constraint, [0]
+
+        def constrain(step: int, previous):
+            if step:
+                if consumed[0] < step - 1 or not constraint.allows(int(previous.item())):
+                    return None, None  # off the grammar: the verify rejects it anyway
+                consumed[0] += 1
+            allowed, only = constraint.mask_or_only()
+            return allowed, only if FORCED_DRAFTS else None
+
+        return constrain, consumed
+
+    def _verify_masks(self, drafts: list[int], rows: int) -> mx.array:
+        """The matcher's mask for each verify row: row i after x and the first i drafts. Rows
+        past a draft the grammar refuses cannot be accepted; they repeat the last mask."""
+        constraint = self.constraint
+        masks = [constraint.mask()]
+        consumed = 0
+        try:
+            for d in drafts:
+                if not constraint.allows(d):
+                    break
+                consumed += 1
+                masks.append(constraint.mask())
+        finally:
+            constraint.rollback(consumed)
+        masks += [masks[-1]] * (rows - len(masks))
+        return mx.stack(masks[:rows])
 
     def head_commit(self, tokens: Sequence[int], rows) -> None:
         try:
@@ -144,6 +200,11 @@ class MlxRoundOps:
             drafts = mx.zeros((0,), dtype=mx.int32)
             if proposal is not None:
                 drafts = proposal.tokens.astype(mx.int32)
+            if self.constraint is not None:
+                # The masks are computed on the CPU while the forward runs.
+                mx.async_eval(logits, hidden, drafts, [c.state for c in self.caches])
+                masks = self._verify_masks(drafts.tolist(), logits.shape[0])
+                logits = mx.where(masks, logits, mx.array(-mx.inf, logits.dtype))
             # The target's own draw at every slot of the feed: row i's token goes to entry + 1 + i.
             target = self.sampler.tokens(logits, drafts, slot=entry + 1)
             decision_accept, successors = matched_decision(target, drafts)
@@ -175,7 +236,7 @@ class MlxRoundOps:
         # tokens[0] is the current x when it already entered the history at this position.
         fresh = list(tokens[1:]) if self._x_at == self.position else list(tokens)
         if fresh:
-            self.sampler.append(fresh)
+            self._history(fresh)
         slot = self.position + len(tokens)  # where the successor goes
         try:
             ids = mx.array(list(tokens), dtype=mx.int32)
@@ -183,6 +244,9 @@ class MlxRoundOps:
             nxt, rows = None, ()
             if successor:
                 logits = self.model.unembed(hidden[-1:])
+                if self.constraint is not None:
+                    mask = self.constraint.mask()
+                    logits = mx.where(mask, logits, mx.array(-mx.inf, logits.dtype))
                 nxt = self.sampler.tokens(logits, slot=slot)
                 rows = self._logprob_rows(logits, nxt)
             successors = [nxt] if nxt is not None else []

@@ -48,6 +48,10 @@ class Head(Protocol):
     def draft_logits(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array: ...
 
 
+# constrain(step, previous draft or None) -> (allowed tokens bool [V] or None, forced token or None)
+Constrain = Callable[[int, "mx.array | None"], "tuple[mx.array | None, int | None]"]
+
+
 @dataclass
 class Proposal:
     """k drafted tokens (lazy), for slots ``slot .. slot + k - 1``."""
@@ -189,7 +193,13 @@ class DraftSession:
     # -- drafting ---------------------------------------------------------------------------
 
     def propose(
-        self, current: int | mx.array, k: int, sampler: Sampler, *, slot: int
+        self,
+        current: int | mx.array,
+        k: int,
+        sampler: Sampler,
+        *,
+        slot: int,
+        constrain: Constrain | None = None,
     ) -> Proposal | None:
         """Draft ``k`` tokens after ``current`` (the emitted, not yet forwarded token); draft i
         (from 0) is drawn for cache slot ``slot + i``.
@@ -198,6 +208,8 @@ class DraftSession:
         caller decodes plainly. Settling with ``current`` flushes the pending pairs; that
         flush's last row is the first draft step. Step i feeds draft i-1 with the head's own
         previous output, writing speculative draft KV entries above the committed offset.
+        ``constrain(i, previous_draft)`` (constrained output) gives step i's allowed tokens
+        (bool ``[V]``, None: any) and the one token a grammar forces there, drafted as it is.
         """
         if self._discarded or k < 1 or self._frontier_hidden is None:
             return None
@@ -212,10 +224,18 @@ class DraftSession:
         for step in range(k):
             if step:
                 y = self.head(drafts[-1].reshape(1, 1), y, self.cache)
-            if argmax:  # the sampler's greedy draw, from the draft vocabulary's columns only
+            allowed = None
+            if constrain is not None:
+                allowed, only = constrain(step, drafts[-1] if drafts else None)
+                if only is not None:
+                    drafts.append(mx.array([only], dtype=mx.int32))
+                    continue
+            if argmax and allowed is None:  # the greedy draw, from the draft vocabulary only
                 drafts.append(self.head.argmax_draft(y[0, -1:], self.unembed).reshape(1))
                 continue
             logits = self.head.draft_logits(y[0, -1:], self.unembed)
+            if allowed is not None:
+                logits = mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))
             chain = mx.concatenate(drafts) if drafts else mx.zeros((0,), dtype=mx.int32)
             drafts.append(sampler.tokens(logits, chain, slot=slot + step).reshape(1))
         return Proposal(tokens=mx.concatenate(drafts), slot=slot)

@@ -128,18 +128,20 @@ class SpeculationSession:
         budget: int | None,
         speculate: bool = True,
         logprobs: LogprobRows | None = None,
+        constraint=None,
     ) -> Decoding:
         """The decode loop from ``cur`` (the plain loop's first in-flight sample), one
         :meth:`Decoding.step` at a time: speculative rounds, parking in the pipelined plain
         loop whenever the depth is 0; ``speculate`` False parks for good (the draft cache
         still follows every committed forward). ``logprobs`` receives the target's rows of
-        every round for the emitter to take."""
+        every round for the emitter to take. ``constraint`` (constrained output) masks the
+        drafts and the verify rows and follows every token the rounds feed."""
         fixed = self.owner.fixed_depth
         if fixed is not None:
             depth = FixedDepth(fixed if speculate else 0)
         else:
             depth = self.owner.depth.session(speculative=speculate)
-        ops = MlxRoundOps(model, caches, self.draft, sampler, logprobs)
+        ops = MlxRoundOps(model, caches, self.draft, sampler, logprobs, constraint)
         driver = RoundDriver(
             ops, emit, cancelled, depth=depth, budget=budget, stats=self.stats,
             ledger=loop.ledger,

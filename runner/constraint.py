@@ -78,16 +78,97 @@ class Constraint:
 
     def mask(self) -> mx.array:
         """The allowed next tokens, bool ``[V]``."""
+        return mx.array(self._allowed())
+
+    def mask_or_only(self) -> tuple[mx.array, int | None]:
+        """The mask, and the one token it allows when it allows exactly one (the grammar forces
+        it: a draft of it is certain to be the target's own draw)."""
+        allowed = self._allowed()
+        hits = np.flatnonzero(allowed)
+        return mx.array(allowed), (int(hits[0]) if hits.size == 1 else None)
+
+    def _allowed(self) -> np.ndarray:
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
-        return mx.array(allowed)
+        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"format: the grammar refused token {token} ({self.error()})")
 
+    # Speculation: drafts are checked against the grammar and the matcher goes back after.
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next (consumes it when it may)."""
+        return self.matcher.try_consume_tokens([int(token)]) == 1
+
+    def rollback(self, count: int) -> None:
+        """Forget the last ``count`` tokens consumed."""
+        if count and not self.matcher.rollback(count):
+            raise RuntimeError(f"format: the matcher cannot roll back {count} tokens")
+
     def error(self) -> str:
         return self.matcher.get_error() or "no error recorded"
+
+
+class AfterThinking:
+    """A constraint that starts once a reasoning span closes (a prompt that opened ``<think>``):
+    until the generated text holds ``</think>`` every token is allowed and goes by the matcher;
+    the grammar takes the tokens after the one that completes the marker (whitespace may lead
+    the JSON). The same interface as :class:`Constraint`; ``rollback`` may cross the marker
+    back into the span."""
+
+    def __init__(self, inner: Constraint, decode, close_marker: str) -> None:
+        self.inner = inner
+        self.decode = decode  # token ids -> text
+        self.close = close_marker
+        self.vocab_size = inner.vocab_size
+        self._span: list[int] = []  # tokens consumed inside the span
+        self._active = False  # the marker is complete: the grammar has the tokens since
+        self._inner = 0  # tokens the matcher consumed since then
+        self._any = mx.ones((inner.vocab_size,), dtype=mx.bool_)
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def activate(self) -> None:
+        """The span is closed already (a zero think budget fed the marker after the prompt)."""
+        self._active = True
+
+    def mask(self) -> mx.array:
+        return self.inner.mask() if self._active else self._any
+
+    def mask_or_only(self) -> tuple[mx.array, int | None]:
+        return self.inner.mask_or_only() if self._active else (self._any, None)
+
+    def consume(self, token: int) -> None:
+        if self._active:
+            self.inner.consume(token)
+            self._inner += 1
+            return
+        self._span.append(int(token))
+        # The marker is a few tokens long: the tail of the span is enough to find it.
+        self._active = self.close in self.decode(self._span[-16:])
+
+    def allows(self, token: int) -> bool:
+        if not self._active:
+            self.consume(token)
+            return True
+        if self.inner.allows(token):
+            self._inner += 1
+            return True
+        return False
+
+    def rollback(self, count: int) -> None:
+        inner = min(count, self._inner)
+        self.inner.rollback(inner)
+        self._inner -= inner
+        rest = count - inner
+        if rest:
+            del self._span[len(self._span) - rest :]
+            self._active = self.close in self.decode(self._span[-16:])
+
+    def error(self) -> str:
+        return self.inner.error()
 
 
 def masked(logits: mx.array, allowed: mx.array) -> mx.array:

@@ -26,8 +26,8 @@ from protocol.codes import BAD_REQUEST, CONTEXT_OVERFLOW
 from protocol.errors import CodedError
 from runner import blas, device
 from runner.chat_template import TemplateError
-from runner.constraint import Constraint, FormatError, Grammars
-from runner.emit import OPEN_MARKER
+from runner.constraint import AfterThinking, Constraint, FormatError, Grammars
+from runner.emit import CLOSE_MARKER, OPEN_MARKER
 from runner.heads import load_draft_head
 from runner.loader import LoadedModel, load_model
 from runner.models import feed_dependent
@@ -350,23 +350,29 @@ class Engine:
             constraint=constraint,
         )
 
-    def _constraint(self, request, prompt: list[int]) -> Constraint:
+    def _constraint(self, request, prompt: list[int]) -> Constraint | AfterThinking:
         """``format`` compiled for this model's tokenizer; what it cannot enforce (yet) is a
-        bad request naming it."""
-        if request.think_budget is not None or self._opens_think(prompt):
+        bad request naming it. After a prompt that opens ``<think>`` the constraint starts
+        once the span closes (by the model, or by the think budget)."""
+        opens = self._opens_think(prompt)
+        if request.think_budget is not None and not opens:
             raise RequestError(
                 BAD_REQUEST,
-                "format: constrained output after a <think> span is not supported yet "
-                "(no think_budget, and a prompt that does not open <think>)",
+                "format: with a think_budget the prompt must open the <think> span (a chat "
+                "template's enable_thinking does); a span the model may or may not open is "
+                "not supported",
             )
         if self.grammars is None:
             self.grammars = Grammars(
                 self.tokenizer.hf.to_str(), self.info.vocab_size, sorted(self.tokenizer.eos_ids)
             )
         try:
-            return self.grammars.compile(request.format)
+            constraint = self.grammars.compile(request.format)
         except FormatError as exc:
             raise RequestError(BAD_REQUEST, f"format: {exc}") from None
+        if opens:
+            return AfterThinking(constraint, self.tokenizer.decode, CLOSE_MARKER)
+        return constraint
 
     def _opens_think(self, prompt: list[int]) -> bool:
         """Templates that open the reasoning span themselves end the prompt with <think>."""

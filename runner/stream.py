@@ -96,6 +96,8 @@ class Stream:
         # the close marker is fed after the prompt, as if the prompt had ended with it.
         forced = self.emitter.force_at_start()
         self.ledger.force(forced)
+        if forced and hasattr(req.constraint, "activate"):
+            req.constraint.activate()  # the span closed before the first token
         self.sequence = [*req.prompt, *forced]
         feed = [*self.session.remaining, *forced]
         self.pending = feed[:-1]  # prompt tokens still to prefill
@@ -203,7 +205,7 @@ class Stream:
         )  # fmt: skip
         self.rows = LogprobRows(req.top_logprobs) if req.logprobs else None
         kind, extra = PlainDecoder, {}
-        if req.constraint is not None:  # speculation parks: drafts are not masked yet
+        if req.constraint is not None:  # the same matcher masks plain steps and rounds
             kind, extra = ConstrainedDecoder, {"constraint": req.constraint}
         on_commit = self.spec.on_commit if self.spec is not None else None
         self.decoder = kind(
@@ -229,7 +231,7 @@ class Stream:
         self.decoding = self.spec.decoding(
             self.loop, cur, self.cancelled, model=self.engine.model, caches=self.slot.caches,
             sampler=self.sampler, emit=self._push, budget=self.req.max_tokens,
-            speculate=self.req.speculative and self.req.constraint is None, logprobs=self.rows,
+            speculate=self.req.speculative, logprobs=self.rows, constraint=self.req.constraint,
         )  # fmt: skip
 
     def step(self) -> bool:

@@ -3,11 +3,14 @@
 
 For each of the ``tests/test_format.py`` schemas, one greedy completion of the default model
 (the schema in the prompt, ``--tokens`` at most) constrained, then unconstrained for as many
-tokens, plain and with speculation (the default head; a constrained request parks it), in turn
-per rep, so a drift of this shared machine's speed hits all alike. Reported: decode tokens/s
+tokens, plain and with speculation (the default head: drafts through the matcher's masks, the
+verify rows masked), and speculation again with grammar-forced tokens drafted from the head
+like any other instead of as they are, in turn per rep, so a drift of this shared machine's
+speed hits all alike. Reported: decode tokens/s
 (the done frame's ``eval_tokens / eval_ns``, medians over prompts and reps), the constrained /
 free ratio per mode, and the matcher's CPU time per token (mask + consume: it overlaps the
-forward, so it costs only what exceeds the forward's time). Prints a table, writes JSON under
+forward, so it costs only what exceeds the forward's time), and under speculation the drafts'
+acceptance (accepted / drafted) on the constrained runs. Prints a table, writes JSON under
 bench-results/.
 
     .venv/bin/python scripts/bench_format.py [--reps 3] [--tokens 96]
@@ -36,16 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="format.json")
     args = p.parse_args(argv)
 
+    from drafting import mlx_ops
     from protocol.requests import Completion, Options
     from runner import constraint
     from runner.engine import Engine, EngineOptions
     from tests.test_format import SCHEMAS
 
     model = args.model or bc.default_model_path()
+    speculative = Engine(EngineOptions(model_path=model))
     engines = {
         "plain": Engine(EngineOptions(model_path=model, use_draft=False)),
-        "speculative": Engine(EngineOptions(model_path=model)),
+        "speculative": speculative,
+        "speculative, forced tokens drafted by the head": speculative,
     }
+    drafted: dict[str, list[int]] = {mode: [0, 0] for mode in engines}
     spent = {"mask": 0.0, "consume": 0.0, "tokens": 0}
     mask, consume = constraint.Constraint.mask, constraint.Constraint.consume
 
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     constraint.Constraint.mask, constraint.Constraint.consume = timed_mask, timed_consume
 
-    def rate(engine, topic: str, schema, constrained: bool, tokens: int) -> tuple[float, int]:
+    def rate(engine, topic: str, schema, constrained: bool, tokens: int, mode: str = ""):
         ask = f"Reply with JSON only matching this JSON Schema: {json.dumps(schema)}."
         text = f"{ask} Give {topic}."
         request = Completion(
@@ -75,8 +82,13 @@ def main(argv: list[str] | None = None) -> int:
             options=Options(num_predict=tokens, temperature=0, repeat_penalty=1.0),
         )  # fmt: skip
         frames: list = []
+        mlx_ops.FORCED_DRAFTS = "by the head" not in mode
         engine.run(engine.prepare(request), frames.append, lambda: False)
+        mlx_ops.FORCED_DRAFTS = True
         done = frames[-1]
+        if constrained and mode:
+            drafted[mode][0] += done.speculation.accepted
+            drafted[mode][1] += done.speculation.drafted
         return done.eval_tokens / max(done.eval_ns, 1) * 1e9, done.eval_tokens
 
     samples: dict[tuple[str, bool], list[float]] = {}
@@ -88,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode, engine in engines.items():
                 # The free run decodes as many tokens as the constrained one did (a JSON answer
                 # ends early; per-request costs weigh more on a short run).
-                bound, n = rate(engine, topic, schema, True, args.tokens)
-                free, _ = rate(engine, topic, schema, False, n)
+                bound, n = rate(engine, topic, schema, True, args.tokens, mode)
+                free, _ = rate(engine, topic, schema, False, n, mode)
                 samples.setdefault((mode, False), []).append(free)
                 samples.setdefault((mode, True), []).append(bound)
                 ratios[mode].append(bound / free)
@@ -98,16 +110,21 @@ def main(argv: list[str] | None = None) -> int:
     for mode in engines:
         free = statistics.median(samples[(mode, False)])
         bound = statistics.median(samples[(mode, True)])
-        rows.append([mode, f"{free:.1f}", f"{bound:.1f}", f"{statistics.median(ratios[mode]):.2f}"])
+        accepted, total = drafted[mode]
+        acceptance = f"{accepted / total:.2f} ({accepted}/{total})" if total else "-"
+        rows.append([mode, f"{free:.1f}", f"{bound:.1f}", f"{statistics.median(ratios[mode]):.2f}",
+                     acceptance])  # fmt: skip
     per_token_us = 1e6 * (spent["mask"] + spent["consume"]) / max(spent["tokens"], 1)
     print("\nGreedy decode tokens/s, medians over prompts and reps")
-    print(bc.markdown_table(["mode", "unconstrained", "constrained", "constrained / free"], rows))
+    headers = ["mode", "unconstrained", "constrained", "constrained / free", "acceptance"]
+    print(bc.markdown_table(headers, rows))
     print(f"\nmatcher per token: {per_token_us:.0f} us (mask and consume, overlapping the forward)")
     print(f"load: {bc.describe_load(loads)}")
     out = bc.write_json(args.out, {
         "model": model, "reps": args.reps, "tokens": args.tokens,
         "rates": {f"{m}/{'constrained' if c else 'free'}": v for (m, c), v in samples.items()},
         "ratios": ratios, "matcher_us_per_token": per_token_us, "load": loads,
+        "drafted": drafted,
         "environment": bc.environment(),
     })  # fmt: skip
     print(f"wrote {out}")

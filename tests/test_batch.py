@@ -246,3 +246,27 @@ def test_logprobs_and_stop_strings_in_shared_forwards_equal_alone(engine):
         assert [f.content for f in got] == [f.content for f in want]
         assert [f.logprobs for f in got] == [f.logprobs for f in want]
         assert outs[r.id].done.done_reason == solo[r.id].done.done_reason
+
+
+def test_constrained_streams_in_shared_forwards_equal_alone(engine):
+    """``format`` requests decode in shared forwards through their own matchers (a mask per
+    row) and give what they give alone; alone they speculate under the constraint."""
+    import json
+
+    from tests.test_format import SCHEMAS
+
+    reqs = []
+    for i, (topic, schema) in enumerate(SCHEMAS[:3]):
+        ask = f"Reply with JSON only matching this JSON Schema: {json.dumps(schema)}. Give {topic}."
+        reqs.append(Completion(
+            id=f"j{i}", messages=[{"role": "user", "content": ask}], format=schema,
+            options=Options(temperature=0.0 if i % 2 == 0 else 0.7, seed=3, num_predict=80),
+        ))  # fmt: skip
+    reqs.append(request("free", QUESTIONS[0], num_predict=30))
+    solo = {r.id: alone(engine, r) for r in reqs}
+    outs, scheduler = together(engine, reqs)
+    assert scheduler.shared_steps > 0
+    for r in reqs:
+        assert outs[r.id].ids == solo[r.id].ids, r.id
+        if r.format is not None:
+            json.loads(engine.detokenize(outs[r.id].ids))

@@ -92,6 +92,12 @@ def engines(default_model):
     return plain, speculative
 
 
+@pytest.fixture(scope="module")
+def deep(default_model):
+    """Three drafts every round: masks along the draft chain and rollbacks on every round."""
+    return Engine(EngineOptions(model_path=default_model, draft_depth=3))
+
+
 def run(engine: Engine, topic: str, fmt, **options) -> tuple[str, object, list[int]]:
     schema = f" matching this JSON Schema: {json.dumps(fmt)}" if isinstance(fmt, dict) else ""
     messages = [{"role": "user", "content": f"Reply with JSON only{schema}. Give {topic}."}]
@@ -115,15 +121,23 @@ def test_every_output_parses_and_validates(engines, mode):
 
 
 @pytest.mark.default_model
-def test_json_mode_gives_an_object_and_speculation_changes_nothing(engines):
+def test_json_mode_gives_an_object_and_speculation_changes_nothing(engines, deep):
+    """Speculation under the constraint: the head drafts through the matcher's masks, the
+    verify rows are masked, the matcher rolls back to what was accepted; the output is plain
+    constrained decoding's, token for token, greedy and seeded, adaptive depth or three."""
     plain, speculative = engines
     text, done, _ = run(plain, "a person with a name and an age", "json", temperature=0.0)
     assert done.done_reason == "stop" and isinstance(json.loads(text), dict)
-    for topic, schema in SCHEMAS[:3]:
-        for sampling in ({"temperature": 0.0}, {"temperature": 0.7, "seed": 5}):
-            _, _, off = run(plain, topic, schema, **sampling)
-            _, _, on = run(speculative, topic, schema, **sampling)
+    accepted = 0
+    for i, (topic, schema) in enumerate(SCHEMAS):
+        sampling = {"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.7, "seed": 5}
+        _, _, off = run(plain, topic, schema, **sampling)
+        for engine in (speculative, deep) if i < 5 else (deep,):
+            text, done, on = run(engine, topic, schema, **sampling)
             assert on == off, topic
+            jsonschema.validate(json.loads(text), schema)
+            accepted += done.speculation.accepted
+    assert accepted > 0  # drafts were accepted under the constraint
 
 
 @pytest.mark.default_model
@@ -132,7 +146,7 @@ def test_what_cannot_be_enforced_is_refused_by_name(engines):
     messages = [{"role": "user", "content": "hi"}]
     cases = [
         ({"format": {"type": "nonsense"}}, "format: "),
-        ({"format": PERSON, "think_budget": 4}, "format: constrained output after a <think>"),
+        ({"format": PERSON, "think_budget": 4}, "format: with a think_budget the prompt must"),
     ]
     for fields, needle in cases:
         with pytest.raises(RequestError) as raised:
@@ -147,3 +161,55 @@ def test_a_tokenizer_the_grammar_engine_cannot_use_is_named():
 
     with pytest.raises(FormatError, match="tokenizer cannot drive a grammar"):
         Grammars("{not a tokenizer", 320, [0]).compile("json")
+
+
+@pytest.mark.default_model
+def test_the_constraint_starts_after_the_reasoning_closes(engines, deep):
+    """A prompt that opens <think> and a think budget: the span is free text, the budget
+    closes it, and what follows the marker is JSON matching the schema; speculation (whose
+    rollbacks may cross the marker) gives the same tokens."""
+    plain, speculative = engines
+    prompt = "<|im_start|>user\nGive a person as JSON.<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    outputs = []
+    for engine in (plain, speculative, deep):
+        for budget in (0, 5):
+            request = Completion(
+                id="t", prompt=prompt, format=PERSON, think_budget=budget,
+                options=Options(temperature=0.0, num_predict=120, repeat_penalty=1.0),
+            )  # fmt: skip
+            frames: list = []
+            engine.run(engine.prepare(request), frames.append, lambda: False)
+            tokens = [f for f in frames if type(f).__name__ == "Token"]
+            text = "".join(f.content for f in tokens)
+            assert frames[-1].done_reason == "stop", text
+            _, _, after = text.partition("</think>")
+            jsonschema.validate(json.loads(after), PERSON)
+            outputs.append([t for f in tokens for t in f.tokens])
+    assert outputs[0:2] == outputs[2:4] == outputs[4:6]
+
+
+def test_after_thinking_passes_the_span_and_rolls_back_across_the_marker(default_loaded):
+    """The deferred matcher: free text until </think>, the grammar after it; a rollback over
+    the marker reopens the span, and the matcher's own state follows."""
+    from runner.constraint import AfterThinking, Grammars
+
+    tok = default_loaded.tokenizer
+    grammars = Grammars(tok.hf.to_str(), default_loaded.vocab_size, sorted(tok.eos_ids))
+    c = AfterThinking(grammars.compile(PERSON), tok.decode, "</think>")
+    span = tok.encode("some thoughts </think>", add_bos=False)
+    json_ids = tok.encode('{"name": "Ann", "age": 3}', add_bos=False)
+    for t in span[:-1]:
+        assert bool(c.mask().all()) and c.allows(t)
+    assert not c.active
+    c.consume(span[-1])  # completes the marker
+    assert c.active and not bool(c.mask().all())
+    assert not c.allows(tok.encode("hello", add_bos=False)[0])  # the grammar has it now
+    for t in json_ids[:3]:
+        assert c.allows(t)
+    c.rollback(3 + 1)  # the JSON tokens and the marker's end: back inside the span
+    assert not c.active and bool(c.mask().all())
+    for t in span[-1:] + json_ids:
+        c.consume(t)
+    assert c.active
+    allowed, only = c.mask_or_only()
+    assert only in tok.eos_ids and bool(allowed[only])  # complete: only EOS is left
