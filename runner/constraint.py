@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+OPEN, CLOSE = "<think>", "</think>"  # the reasoning span's markers (runner.emit's)
 # Ollama's JSON mode: any JSON object.
 ANY_OBJECT = {"type": "object"}
 _COMPILE = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
@@ -40,6 +42,21 @@ class Grammars:
         self._tokenizer = None
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
+        self._openings: dict[str, mx.array] = {}
+
+    def opening(self, pieces) -> Callable[[str], mx.array]:
+        """``opening_mask`` for this vocabulary, each lead computed once (``pieces()`` gives
+        every token's text)."""
+
+        def starts(lead: str) -> mx.array:
+            with self._lock:
+                mask = self._openings.get(lead)
+                if mask is None:
+                    mask = opening_mask(pieces(), lead, self.vocab_size)
+                    self._openings[lead] = mask
+                return mask
+
+        return starts
 
     def tokenizer(self):
         with self._lock:
@@ -110,49 +127,80 @@ class Constraint:
 
 
 class AfterThinking:
-    """A constraint that starts once a reasoning span closes (a prompt that opened ``<think>``):
-    until the generated text holds ``</think>`` every token is allowed and goes by the matcher;
-    the grammar takes the tokens after the one that completes the marker (whitespace may lead
-    the JSON). The same interface as :class:`Constraint`; ``rollback`` may cross the marker
-    back into the span."""
+    """A constraint that lets a reasoning span through as free text and starts after it.
 
-    def __init__(self, inner: Constraint, decode, close_marker: str) -> None:
+    ``opened``: the prompt opened ``<think>``, so the span is open from the first token.
+    Otherwise (a think budget on a model that may open the span itself) the reply starts
+    undecided: a token may be whitespace or the next characters of ``<think>``, or begin the
+    grammar's text, and the first that is neither whitespace nor part of the marker commits
+    the reply to the grammar (with no span). Inside the span every token is allowed; the
+    grammar takes the tokens after the one that completes ``</think>``. The same interface as
+    :class:`Constraint`; ``rollback`` may cross back over the marker or the decision, since
+    the state is read again from the tokens kept."""
+
+    def __init__(self, inner: Constraint, decode, starts, *, opened: bool) -> None:
         self.inner = inner
         self.decode = decode  # token ids -> text
-        self.close = close_marker
+        self.starts = starts  # lead text -> the tokens that keep it on its way to <think>
+        self.opened = opened
         self.vocab_size = inner.vocab_size
-        self._span: list[int] = []  # tokens consumed inside the span
-        self._active = False  # the marker is complete: the grammar has the tokens since
-        self._inner = 0  # tokens the matcher consumed since then
+        self._before: list[int] = []  # tokens ahead of the grammar's first
+        self._inner = 0  # tokens the matcher consumed
+        self._closed_at_start = False
         self._any = mx.ones((inner.vocab_size,), dtype=mx.bool_)
-
-    @property
-    def active(self) -> bool:
-        return self._active
 
     def activate(self) -> None:
         """The span is closed already (a zero think budget fed the marker after the prompt)."""
-        self._active = True
+        self._closed_at_start = True
+
+    def _mode(self) -> tuple[str, str]:
+        """("grammar" | "span" | "start", the reply's text so far while it is undecided).
+        The markers are a few tokens long: the first and the last tokens kept say it all."""
+        if self._inner or self._closed_at_start:
+            return "grammar", ""
+        if not self._before:
+            return ("span", "") if self.opened else ("start", "")
+        tail = self.decode(self._before[-16:])
+        if self.opened:
+            return ("grammar", "") if CLOSE in tail else ("span", "")
+        lead = self.decode(self._before[:24]).lstrip()
+        if not lead.startswith(OPEN):
+            return "start", lead
+        after = lead[len(OPEN) :] if len(self._before) <= 24 else tail
+        return ("grammar", "") if CLOSE in after else ("span", "")
+
+    @property
+    def active(self) -> bool:
+        return self._mode()[0] == "grammar"
 
     def mask(self) -> mx.array:
-        return self.inner.mask() if self._active else self._any
+        mode, lead = self._mode()
+        if mode == "grammar":
+            return self.inner.mask()
+        if mode == "span":
+            return self._any
+        opening = self.starts(lead)
+        return opening if lead else opening | self.inner.mask()
 
     def mask_or_only(self) -> tuple[mx.array, int | None]:
-        return self.inner.mask_or_only() if self._active else (self._any, None)
+        if self._mode()[0] == "grammar":
+            return self.inner.mask_or_only()
+        return self.mask(), None
 
     def consume(self, token: int) -> None:
-        if self._active:
-            self.inner.consume(token)
+        if self._mode()[0] == "grammar":
+            self.inner.consume(token)  # the stop token too, once the grammar is complete
             self._inner += 1
-            return
-        self._span.append(int(token))
-        # The marker is a few tokens long: the tail of the span is enough to find it.
-        self._active = self.close in self.decode(self._span[-16:])
+        elif not self.allows(token):
+            raise RuntimeError(f"format: the grammar refused token {token} ({self.error()})")
 
     def allows(self, token: int) -> bool:
-        if not self._active:
-            self.consume(token)
+        mode, lead = self._mode()
+        if mode == "span" or (mode == "start" and bool(self.starts(lead)[int(token)])):
+            self._before.append(int(token))
             return True
+        if mode == "start" and lead:  # on its way to the marker: nothing else
+            return False
         if self.inner.allows(token):
             self._inner += 1
             return True
@@ -164,11 +212,24 @@ class AfterThinking:
         self._inner -= inner
         rest = count - inner
         if rest:
-            del self._span[len(self._span) - rest :]
-            self._active = self.close in self.decode(self._span[-16:])
+            del self._before[len(self._before) - rest :]
 
     def error(self) -> str:
         return self.inner.error()
+
+
+def opening_mask(pieces: list[str], lead: str, vocab_size: int) -> mx.array:
+    """The tokens that keep a reply whose text so far is ``lead`` (leading whitespace
+    stripped) on its way to ``<think>``: whitespace while nothing else came, then the marker's
+    next characters (a token may run past its end)."""
+    allowed = np.zeros(vocab_size, dtype=bool)
+    for t, piece in enumerate(pieces[:vocab_size]):
+        text = lead + piece if lead else piece.lstrip()
+        if not text:
+            allowed[t] = not lead and bool(piece)
+        else:
+            allowed[t] = OPEN.startswith(text) or text.startswith(OPEN)
+    return mx.array(allowed)
 
 
 def masked(logits: mx.array, allowed: mx.array) -> mx.array:

@@ -27,7 +27,7 @@ from protocol.errors import CodedError
 from runner import blas, device
 from runner.chat_template import TemplateError
 from runner.constraint import AfterThinking, Constraint, FormatError, Grammars
-from runner.emit import CLOSE_MARKER, OPEN_MARKER
+from runner.emit import OPEN_MARKER
 from runner.heads import load_draft_head
 from runner.loader import LoadedModel, load_model
 from runner.models import feed_dependent
@@ -128,6 +128,7 @@ class Engine:
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.grammars: Grammars | None = None  # built at the first ``format``
+        self._token_texts: list[str] | None = None
         self.caches = self.model.make_caches()
         head, mtp_detail = None, "no draft head (disabled by --no-draft)"
         # A feed-dependent model (dynamic or longrope RoPE) computes what its reference
@@ -355,13 +356,6 @@ class Engine:
         bad request naming it. After a prompt that opens ``<think>`` the constraint starts
         once the span closes (by the model, or by the think budget)."""
         opens = self._opens_think(prompt)
-        if request.think_budget is not None and not opens:
-            raise RequestError(
-                BAD_REQUEST,
-                "format: with a think_budget the prompt must open the <think> span (a chat "
-                "template's enable_thinking does); a span the model may or may not open is "
-                "not supported",
-            )
         if self.grammars is None:
             self.grammars = Grammars(
                 self.tokenizer.hf.to_str(), self.info.vocab_size, sorted(self.tokenizer.eos_ids)
@@ -370,9 +364,18 @@ class Engine:
             constraint = self.grammars.compile(request.format)
         except FormatError as exc:
             raise RequestError(BAD_REQUEST, f"format: {exc}") from None
-        if opens:
-            return AfterThinking(constraint, self.tokenizer.decode, CLOSE_MARKER)
+        if opens or request.think_budget is not None:
+            # The span is the prompt's, or one the model may open: the grammar starts after.
+            starts = self.grammars.opening(self._pieces)
+            return AfterThinking(constraint, self.tokenizer.decode, starts, opened=opens)
         return constraint
+
+    def _pieces(self) -> list[str]:
+        """Every token's own text (once per engine; ``format`` with a think span)."""
+        if self._token_texts is None:
+            piece = self.tokenizer.piece
+            self._token_texts = [piece(t) for t in range(self.info.vocab_size)]
+        return self._token_texts
 
     def _opens_think(self, prompt: list[int]) -> bool:
         """Templates that open the reasoning span themselves end the prompt with <think>."""

@@ -146,7 +146,6 @@ def test_what_cannot_be_enforced_is_refused_by_name(engines):
     messages = [{"role": "user", "content": "hi"}]
     cases = [
         ({"format": {"type": "nonsense"}}, "format: "),
-        ({"format": PERSON, "think_budget": 4}, "format: with a think_budget the prompt must"),
     ]
     for fields, needle in cases:
         with pytest.raises(RequestError) as raised:
@@ -195,7 +194,9 @@ def test_after_thinking_passes_the_span_and_rolls_back_across_the_marker(default
 
     tok = default_loaded.tokenizer
     grammars = Grammars(tok.hf.to_str(), default_loaded.vocab_size, sorted(tok.eos_ids))
-    c = AfterThinking(grammars.compile(PERSON), tok.decode, "</think>")
+    pieces = [tok.piece(t) for t in range(default_loaded.vocab_size)]
+    starts = grammars.opening(lambda: pieces)
+    c = AfterThinking(grammars.compile(PERSON), tok.decode, starts, opened=True)
     span = tok.encode("some thoughts </think>", add_bos=False)
     json_ids = tok.encode('{"name": "Ann", "age": 3}', add_bos=False)
     for t in span[:-1]:
@@ -213,3 +214,39 @@ def test_after_thinking_passes_the_span_and_rolls_back_across_the_marker(default
     assert c.active
     allowed, only = c.mask_or_only()
     assert only in tok.eos_ids and bool(allowed[only])  # complete: only EOS is left
+
+    # A reply that may open the span itself (a think budget, a prompt that did not open it).
+    undecided = AfterThinking(grammars.compile(PERSON), tok.decode, starts, opened=False)
+    first = undecided.mask()
+    brace = tok.encode('{"', add_bos=False)[0]
+    lt = tok.encode("<", add_bos=False)[0]
+    assert bool(first[brace]) and bool(first[lt]) and not undecided.active
+    assert undecided.allows(lt) and not undecided.allows(brace)  # on its way to <think>
+    for t in tok.encode("think>plan</think>", add_bos=False):
+        assert undecided.allows(t)
+    assert undecided.active and undecided.allows(brace)
+    undecided.rollback(len(undecided._before) + 1)  # back to the undecided start
+    assert not undecided.active and undecided.allows(brace) and undecided.active  # no span
+
+
+@pytest.mark.default_model
+def test_a_think_budget_without_an_opened_span_constrains_from_the_reply_start(engines):
+    """The model may open <think> itself; this one answers straight away, and the answer is
+    JSON matching the schema, speculation or not."""
+    plain, speculative = engines
+    prompt = "<|im_start|>user\nGive a person as JSON.<|im_end|>\n<|im_start|>assistant\n"
+    outputs = []
+    for engine in (plain, speculative):
+        request = Completion(
+            id="b", prompt=prompt, format=PERSON, think_budget=4,
+            options=Options(temperature=0.0, num_predict=120, repeat_penalty=1.0),
+        )  # fmt: skip
+        frames: list = []
+        engine.run(engine.prepare(request), frames.append, lambda: False)
+        tokens = [f for f in frames if type(f).__name__ == "Token"]
+        text = "".join(f.content for f in tokens)
+        assert frames[-1].done_reason == "stop", text
+        _, _, answer = text.rpartition("</think>")
+        jsonschema.validate(json.loads(answer), PERSON)
+        outputs.append([t for f in tokens for t in f.tokens])
+    assert outputs[0] == outputs[1]
