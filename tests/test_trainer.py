@@ -536,3 +536,24 @@ def test_the_default_models_own_template_is_the_shipped_heads(default_model):
     target = RunnerTarget(default_model, tune=False)
     for text in ("Why is the sky blue?", "def add(a, b):"):
         assert prompt_ids("model", text, target) == prompt_ids("chatml-smollm", text, target)
+
+
+def test_a_time_budget_sizes_the_prompts_and_cuts_the_steps(trained, tmp_path):
+    """``--minutes``: the held-out answers time the target, the training prompts are what the
+    generation share allows (at least one), and the steps stop where the budget ends; the
+    head's record keeps the budget. A rerun plans the same prompts from the work dir."""
+    target, prompt_dir, _, _, _ = trained
+    work, out = str(tmp_path / "work"), str(tmp_path / "head")
+    args = trainer_args(target, prompt_dir, work, out, "--minutes", "0.004", "--steps", "100000")
+    log = run_script(*args)
+    assert "[gen] budget 0.004 min" in log
+    assert "the time budget fits" in log
+    with open(os.path.join(out, "config.json")) as f:
+        rec = json.load(f)["training"]
+    with open(os.path.join(work, "budget.json")) as f:
+        budget = json.load(f)
+    assert rec["minutes_budget"] == 0.004 and 1 <= rec["prompts"] == budget["prompts"] < 7
+    assert rec["steps"] < 100000
+    again = run_script(*trainer_args(target, prompt_dir, work, out, "--minutes", "0.004",
+                                     "--stage", "generate"))  # fmt: skip
+    assert "(0 cached)" not in again and "budget 0.004" not in again

@@ -64,8 +64,11 @@ def train_parser() -> argparse.ArgumentParser:
                    f"{', '.join(CHAT_TEMPLATES)} or a format string "
                    "containing {prompt}")  # fmt: skip
     g.add_argument("--max-per-template", type=int, default=d.max_per_template)
+    g.add_argument("--minutes", type=float, default=d.minutes,
+                   help="time budget of the whole run, generation included: the training "
+                   "prompts and steps are what fits (default 180; 0: no budget)")  # fmt: skip
     g.add_argument("--max-prompts", type=int, default=d.max_prompts,
-                   help="training prompts, round-robin across templates (0: all)")  # fmt: skip
+                   help="training prompts at most, across templates (0: all)")  # fmt: skip
     g.add_argument("--max-heldout", type=int, default=d.max_heldout)
     g.add_argument("--temperatures", type=_temperatures, default=d.temperatures,
                    help="an answer per prompt at each temperature (0: greedy): 0,0.7")  # fmt: skip

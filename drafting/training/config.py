@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 
 PROMPT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts")
+# The share of a time budget (``TrainConfig.minutes``) generation may take; training has the rest.
+GEN_SHARE = 0.6
 
 
 class TrainingError(Exception):
@@ -28,7 +30,11 @@ class TrainConfig:
     # string containing {prompt}
     template: str = "model"
     max_per_template: int = 30
-    max_prompts: int = 1600  # training prompts, round-robin across templates (0: all)
+    # The whole run's time budget, generation included: the held-out answers (generated first)
+    # time the target, the training prompts are as many as GEN_SHARE of it allows, and the
+    # training steps stop where it ends. 0: no budget (max_prompts and epochs decide alone).
+    minutes: float = 180.0
+    max_prompts: int = 0  # training prompts at most, round-robin across templates (0: all)
     max_heldout: int = 48
     temperatures: tuple[float, ...] = (0.0, 0.7)
     top_k: int = 40
@@ -69,6 +75,8 @@ class TrainConfig:
         for name in ("gen_batch", "gen_workers", "batch", "max_new_tokens", "draft_vocab"):
             if getattr(self, name) < 1:
                 raise TrainingError(f"{name} must be at least 1")
+        if self.minutes < 0:
+            raise TrainingError("minutes must be >= 0 (0: no time budget)")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise TrainingError("temperatures must be one or more values >= 0")
         self.temperatures = tuple(sorted({float(t) for t in self.temperatures}))

@@ -9,7 +9,7 @@ import time
 
 from . import dataset, prompts
 from .chain import SamplingOptions, evaluate_chain
-from .config import EvalConfig, TrainConfig, TrainingError
+from .config import GEN_SHARE, EvalConfig, TrainConfig, TrainingError
 from .generate import run_generation
 from .progress import log
 from .target import LoadTarget, Target
@@ -48,19 +48,22 @@ def prompt_ids(template: str, text: str, target: Target) -> list[int]:
     return target.tokenizer.encode(rendered, add_bos=False)
 
 
-def build_jobs(cfg: TrainConfig, target: Target) -> tuple[list[dataset.Job], dict]:
-    """The generation jobs and the record of which prompts and templates they use."""
+def build_jobs(
+    cfg: TrainConfig, target: Target, max_prompts: int | None = None
+) -> tuple[list[dataset.Job], dict]:
+    """The generation jobs and the record of which prompts and templates they use
+    (``max_prompts``: the training prompts at most, by default ``cfg.max_prompts``)."""
     all_prompts = prompts.load_prompt_set(cfg.prompts_dir, cfg.max_per_template, cfg.seed)
     train, heldout = prompts.split_prompts(all_prompts)
-    train = select_prompts(train, cfg.max_prompts)
+    train = select_prompts(train, cfg.max_prompts if max_prompts is None else max_prompts)
     heldout = select_prompts(heldout, cfg.max_heldout)
     jobs = []
-    for p in train:
-        ids = prompt_ids(cfg.template, p.text, target)
-        jobs += [dataset.Job(p.index, t, ids, False) for t in cfg.temperatures]
     for p in heldout:  # greedy only: held-out agreement during training
         ids = prompt_ids(cfg.template, p.text, target)
         jobs.append(dataset.Job(p.index, 0.0, ids, True))
+    for p in train:
+        ids = prompt_ids(cfg.template, p.text, target)
+        jobs += [dataset.Job(p.index, t, ids, False) for t in cfg.temperatures]
     record = {
         "train": prompts.describe(train),
         "heldout": prompts.describe(heldout),
@@ -76,12 +79,54 @@ def _settings(target: str, max_new_tokens: int, batch: int, top_k: int, seed: in
     )  # fmt: skip
 
 
+def budget_prompts(cfg: TrainConfig, target: Target, settings) -> int:
+    """The training prompts that fit the time budget (``cfg.minutes``), 0 meaning all.
+
+    The held-out answers are generated first, on their own, and timed: at that rate, the
+    answers GEN_SHARE of the budget leaves make the prompt count (an answer per temperature
+    each), at most ``cfg.max_prompts``. Decided once per work dir (``budget.json``), so a
+    resumed or repeated run plans the same prompts."""
+    path = os.path.join(cfg.work_dir, "budget.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return int(json.load(f)["prompts"])
+    heldout_jobs, _ = build_jobs(cfg, target, max_prompts=-1)
+    heldout_jobs = [j for j in heldout_jobs if j.heldout]
+    dataset.prepare_plan(cfg.work_dir, heldout_jobs, settings)
+    seconds = max(run_generation(cfg.work_dir, target), 1e-3)
+    _add_generation_seconds(cfg.work_dir, seconds)
+    rate = len(heldout_jobs) / seconds  # answers per second
+    left = max(GEN_SHARE * cfg.minutes * 60 - seconds, 0.0)
+    count = max(int(left * rate / len(cfg.temperatures)), 1)
+    if cfg.max_prompts > 0:
+        count = min(count, cfg.max_prompts)
+    log(
+        f"[gen] budget {cfg.minutes:g} min: {rate:.2f} answers/s on the held-out prompts, so "
+        f"{count} training prompts in {GEN_SHARE:.0%} of it"
+    )
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"minutes": cfg.minutes, "answers_per_second": rate, "prompts": count}, f)
+    return count
+
+
+def _add_generation_seconds(work_dir: str, seconds: float) -> None:
+    stats_path = os.path.join(work_dir, "gen_stats.json")
+    stats = {}
+    if os.path.exists(stats_path):
+        with open(stats_path, encoding="utf-8") as f:
+            stats = json.load(f)
+    stats["seconds"] = stats.get("seconds", 0.0) + seconds
+    with open(stats_path, "w", encoding="utf-8") as f:
+        json.dump(stats, f)
+
+
 def generate(cfg: TrainConfig, target: Target) -> dict:
     """Fill the work dir with the target's answers to the training and held-out prompts."""
-    jobs, record = build_jobs(cfg, target)
     settings = _settings(
         cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p
     )
+    count = budget_prompts(cfg, target, settings) if cfg.minutes > 0 else None
+    jobs, record = build_jobs(cfg, target, max_prompts=count)
     batches = dataset.prepare_plan(cfg.work_dir, jobs, settings)
     with open(os.path.join(cfg.work_dir, "prompts.json"), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
@@ -92,14 +137,7 @@ def generate(cfg: TrainConfig, target: Target) -> dict:
         f"{len(jobs)} answers in {len(batches)} batches ({have} cached)"
     )
     seconds = run_generation(cfg.work_dir, target)
-    stats_path = os.path.join(cfg.work_dir, "gen_stats.json")
-    stats = {}
-    if os.path.exists(stats_path):
-        with open(stats_path, encoding="utf-8") as f:
-            stats = json.load(f)
-    stats["seconds"] = stats.get("seconds", 0.0) + seconds
-    with open(stats_path, "w", encoding="utf-8") as f:
-        json.dump(stats, f)
+    _add_generation_seconds(cfg.work_dir, seconds)
     log(f"[gen] done in {seconds / 60:.1f} min")
     return record
 

@@ -28,6 +28,9 @@ from .progress import Progress, log
 from .sidecar import build_head, match_residual_scale, write_head
 from .target import Target
 
+# Steps timed at the start of a run with a time budget, to cut the step count to it.
+BUDGET_PROBE_STEPS = 5
+
 
 def checkpoint_path(work_dir: str, out: str) -> str:
     """Checkpoint file of the run writing ``out`` (runs into other outputs can share data)."""
@@ -292,14 +295,24 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
             "init_head": args.init_head}  # fmt: skip
     step, elapsed_before = 0, 0.0
     ckpt = checkpoint_path(work_dir, args.out)
+    budgeted = args.minutes > 0  # the step count may be cut to the time budget
     if args.resume and os.path.exists(ckpt):
         saved = load_checkpoint(ckpt, trainer, opt)
-        if {k: saved.get(k) for k in meta} != meta:
+        same = [k for k in meta if not (budgeted and k == "total")]
+        if any(saved.get(k) != meta[k] for k in same):
             raise TrainingError("the checkpoint was made with other training options; drop resume")
         step, elapsed_before = saved["step"], saved.get("train_seconds", 0.0)
+        if budgeted and saved.get("total"):
+            total = opt.total = meta["total"] = int(saved["total"])
         log(f"[train] resumed at step {step}/{total}")
+    # Seconds the budget leaves for training: what generation and loading did not take.
+    left = None
+    if budgeted:
+        left = args.minutes * 60 - generation_seconds(work_dir) - (time.time() - t0)
+        left -= elapsed_before
     history = []
     start = time.time()
+    first_step = step
     running, pairs_seen = None, 0
 
     def measure() -> float:
@@ -318,6 +331,13 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
         running = value if running is None else 0.9 * running + 0.1 * value
         history.append(value)
         bar.update(1, f"loss {running:.4f}")
+        if left is not None and step - first_step == BUDGET_PROBE_STEPS:
+            # Still inside the warmup, so the schedule is unchanged so far.
+            per_step = (time.time() - start) / BUDGET_PROBE_STEPS
+            fits = step + int(max(left - (time.time() - start), 0.0) / per_step)
+            if fits < total:
+                log(f"[train] the time budget fits {fits} of {total} steps ({per_step:.2f} s each)")
+                total = opt.total = meta["total"] = max(fits, step)
         if step % args.eval_every == 0 or step == total:
             minutes = (time.time() - start + elapsed_before) / 60
             log(
@@ -361,15 +381,20 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
     return record
 
 
+def generation_seconds(work_dir: str) -> float:
+    stats_path = os.path.join(work_dir, "gen_stats.json")
+    if not os.path.exists(stats_path):
+        return 0.0
+    with open(stats_path, encoding="utf-8") as f:
+        return float(json.load(f).get("seconds", 0.0))
+
+
 def training_record(args, work_dir, train_ex, answer_pairs, vocab, cov_held) -> dict:
     with open(os.path.join(work_dir, "prompts.json"), encoding="utf-8") as f:
         prompts_used = json.load(f)
-    gen_seconds = 0.0
-    stats_path = os.path.join(work_dir, "gen_stats.json")
-    if os.path.exists(stats_path):
-        with open(stats_path, encoding="utf-8") as f:
-            gen_seconds = json.load(f).get("seconds", 0.0)
+    gen_seconds = generation_seconds(work_dir)
     return {
+        "minutes_budget": args.minutes or None,
         "pairs": int(answer_pairs),
         "sequences": len(train_ex),
         "prompts": prompts_used["train"]["prompts"],
