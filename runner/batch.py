@@ -92,12 +92,29 @@ class Scheduler:
             if waiting:
                 # Wait for the forward here, so that its time is the prefill's budget and the
                 # prefill's own clock starts on an idle stream.
-                mx.eval([s.decoding.cur.token for s in decoding if s.decoding and not s.finished])
+                live = [s for s in decoding if s.decoding and not s.finished]
+                try:
+                    mx.eval([s.decoding.cur.token for s in live])
+                except Exception as exc:  # the shared forward failed: the streams in it end
+                    for s in live:
+                        s.fail(exc)
             self.shared_s = time.perf_counter() - start
             self._was_shared = True
             self.shared_steps += 1
             if waiting:
                 self._guard(waiting[0], lambda: waiting[0].prefill(budget_s=self.shared_s))
+        return self._collect()
+
+    def fail_all(self, exc: BaseException) -> list[Stream]:
+        """A failure outside every stream's own guard: every active stream ends with it (its
+        error and done frames, its slot reset); the scheduler is empty after."""
+        for s in self.streams:
+            if not s.finished:
+                try:
+                    s.fail(exc)
+                except Exception:  # the done frame at least (Stream.finish sends it last)
+                    log.exception("stream %s failed to end", s.req.id)
+                    s.finished = True
         return self._collect()
 
     def _collect(self) -> list[Stream]:
@@ -207,5 +224,11 @@ class Scheduler:
             except Exception as exc:
                 s.fail(exc)
                 samples.append(None)
-        mx.async_eval(pending)
+        try:
+            mx.async_eval(pending)
+        except Exception as exc:
+            for (s, _, _, _), sampled in zip(rows, samples, strict=True):
+                if sampled is not None:
+                    s.fail(exc)
+            return [None] * len(rows)
         return samples

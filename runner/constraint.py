@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -42,21 +41,14 @@ class Grammars:
         self._tokenizer = None
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
-        self._openings: dict[str, mx.array] = {}
+        self._openings: Openings | None = None
 
-    def opening(self, pieces) -> Callable[[str], mx.array]:
-        """``opening_mask`` for this vocabulary, each lead computed once (``pieces()`` gives
-        every token's text)."""
-
-        def starts(lead: str) -> mx.array:
-            with self._lock:
-                mask = self._openings.get(lead)
-                if mask is None:
-                    mask = opening_mask(pieces(), lead, self.vocab_size)
-                    self._openings[lead] = mask
-                return mask
-
-        return starts
+    def openings(self, pieces) -> Openings:
+        """The think-span openings of this vocabulary (``pieces()`` gives every token's text)."""
+        with self._lock:
+            if self._openings is None:
+                self._openings = Openings(pieces, self.vocab_size)
+            return self._openings
 
     def tokenizer(self):
         with self._lock:
@@ -131,56 +123,60 @@ class AfterThinking:
 
     ``opened``: the prompt opened ``<think>``, so the span is open from the first token.
     Otherwise (a think budget on a model that may open the span itself) the reply starts
-    undecided: a token may be whitespace or the next characters of ``<think>``, or begin the
-    grammar's text, and the first that is neither whitespace nor part of the marker commits
-    the reply to the grammar (with no span). Inside the span every token is allowed; the
+    undecided, by the emitter's rule (``runner.emit.ThinkBudget``): up to 64 bytes of
+    whitespace, then ``<think>`` opens a span; a token that is neither commits the reply to
+    the grammar. Inside the span every token but EOS is allowed (the answer must come); the
     grammar takes the tokens after the one that completes ``</think>``. The same interface as
     :class:`Constraint`; ``rollback`` may cross back over the marker or the decision, since
     the state is read again from the tokens kept."""
 
-    def __init__(self, inner: Constraint, decode, starts, *, opened: bool) -> None:
+    def __init__(self, inner: Constraint, decode, opening, eos_ids, *, opened: bool) -> None:
         self.inner = inner
         self.decode = decode  # token ids -> text
-        self.starts = starts  # lead text -> the tokens that keep it on its way to <think>
+        self.opening = opening  # (lead bytes, rest) -> tokens that keep the reply on its way
         self.opened = opened
+        self.eos = {int(t) for t in eos_ids}
         self.vocab_size = inner.vocab_size
         self._before: list[int] = []  # tokens ahead of the grammar's first
         self._inner = 0  # tokens the matcher consumed
         self._closed_at_start = False
-        self._any = mx.ones((inner.vocab_size,), dtype=mx.bool_)
+        span = np.ones(inner.vocab_size, dtype=bool)
+        span[[t for t in self.eos if t < inner.vocab_size]] = False
+        self._span = mx.array(span)
 
     def activate(self) -> None:
         """The span is closed already (a zero think budget fed the marker after the prompt)."""
         self._closed_at_start = True
 
-    def _mode(self) -> tuple[str, str]:
-        """("grammar" | "span" | "start", the reply's text so far while it is undecided).
-        The markers are a few tokens long: the first and the last tokens kept say it all."""
+    def _mode(self) -> tuple[str, int, str]:
+        """("grammar" | "span" | "start", and while undecided the whitespace bytes and the
+        part of the marker the reply holds). The decision is in the first tokens (at most
+        64 bytes of whitespace and the marker); a close is in the last ones."""
         if self._inner or self._closed_at_start:
-            return "grammar", ""
+            return "grammar", 0, ""
         if not self._before:
-            return ("span", "") if self.opened else ("start", "")
+            return ("span", 0, "") if self.opened else ("start", 0, "")
         tail = self.decode(self._before[-16:])
         if self.opened:
-            return ("grammar", "") if CLOSE in tail else ("span", "")
-        lead = self.decode(self._before[:24]).lstrip()
-        if not lead.startswith(OPEN):
-            return "start", lead
-        after = lead[len(OPEN) :] if len(self._before) <= 24 else tail
-        return ("grammar", "") if CLOSE in after else ("span", "")
+            return ("grammar", 0, "") if CLOSE in tail else ("span", 0, "")
+        lead, rest = split_lead(self.decode(self._before[:80]))
+        if not rest.startswith(OPEN):
+            return "start", len(lead.encode("utf-8")), rest
+        after = rest[len(OPEN) :] if len(self._before) <= 80 else tail
+        return ("grammar", 0, "") if CLOSE in after else ("span", 0, "")
 
     @property
     def active(self) -> bool:
         return self._mode()[0] == "grammar"
 
     def mask(self) -> mx.array:
-        mode, lead = self._mode()
+        mode, lead, rest = self._mode()
         if mode == "grammar":
             return self.inner.mask()
         if mode == "span":
-            return self._any
-        opening = self.starts(lead)
-        return opening if lead else opening | self.inner.mask()
+            return self._span
+        opening = self.opening(lead, rest)
+        return opening if rest else opening | self.inner.mask()
 
     def mask_or_only(self) -> tuple[mx.array, int | None]:
         if self._mode()[0] == "grammar":
@@ -190,16 +186,22 @@ class AfterThinking:
     def consume(self, token: int) -> None:
         if self._mode()[0] == "grammar":
             self.inner.consume(token)  # the stop token too, once the grammar is complete
-            self._inner += 1
+            if int(token) not in self.eos:  # which the matcher does not record
+                self._inner += 1
         elif not self.allows(token):
             raise RuntimeError(f"format: the grammar refused token {token} ({self.error()})")
 
     def allows(self, token: int) -> bool:
-        mode, lead = self._mode()
-        if mode == "span" or (mode == "start" and bool(self.starts(lead)[int(token)])):
+        mode, lead, rest = self._mode()
+        if mode == "span":
+            if int(token) in self.eos:
+                return False
             self._before.append(int(token))
             return True
-        if mode == "start" and lead:  # on its way to the marker: nothing else
+        if mode == "start" and bool(self.opening(lead, rest)[int(token)]):
+            self._before.append(int(token))
+            return True
+        if mode == "start" and rest:  # on its way to the marker: nothing else
             return False
         if self.inner.allows(token):
             self._inner += 1
@@ -218,18 +220,58 @@ class AfterThinking:
         return self.inner.error()
 
 
-def opening_mask(pieces: list[str], lead: str, vocab_size: int) -> mx.array:
-    """The tokens that keep a reply whose text so far is ``lead`` (leading whitespace
-    stripped) on its way to ``<think>``: whitespace while nothing else came, then the marker's
-    next characters (a token may run past its end)."""
-    allowed = np.zeros(vocab_size, dtype=bool)
-    for t, piece in enumerate(pieces[:vocab_size]):
-        text = lead + piece if lead else piece.lstrip()
-        if not text:
-            allowed[t] = not lead and bool(piece)
-        else:
-            allowed[t] = OPEN.startswith(text) or text.startswith(OPEN)
-    return mx.array(allowed)
+WHITESPACE = " \t\n\r\x0b\x0c"  # runner.emit's: what may lead the open marker
+OPEN_LEAD_BYTES = 64
+
+
+def split_lead(text: str) -> tuple[str, str]:
+    rest = text.lstrip(WHITESPACE)
+    return text[: len(text) - len(rest)], rest
+
+
+class Openings:
+    """For one vocabulary, the tokens that keep an undecided reply on its way to ``<think>``:
+    whitespace while its lead stays within OPEN_LEAD_BYTES, then the marker's next characters
+    (a token may run past the marker's end). Each state's mask is computed once."""
+
+    def __init__(self, pieces, vocab_size: int) -> None:
+        self._pieces = pieces  # () -> every token's text
+        self.vocab_size = vocab_size
+        self._lead: np.ndarray | None = None  # whitespace bytes each token starts with
+        self._plain: np.ndarray | None = None  # whitespace only
+        self._fits: np.ndarray | None = None  # after its whitespace, on the way to <think>
+        self._masks: dict[tuple[int, str], mx.array] = {}
+        self._lock = threading.Lock()
+
+    def _tables(self) -> None:
+        pieces = self._pieces()[: self.vocab_size]
+        lead = np.zeros(self.vocab_size, dtype=np.int64)
+        plain = np.zeros(self.vocab_size, dtype=bool)
+        fits = np.zeros(self.vocab_size, dtype=bool)
+        for t, piece in enumerate(pieces):
+            ws, rest = split_lead(piece)
+            lead[t] = len(ws.encode("utf-8"))
+            plain[t] = bool(piece) and not rest
+            fits[t] = bool(rest) and (OPEN.startswith(rest) or rest.startswith(OPEN))
+        self._lead, self._plain, self._fits = lead, plain, fits
+
+    def __call__(self, lead: int, rest: str) -> mx.array:
+        with self._lock:
+            mask = self._masks.get((lead, rest))
+            if mask is not None:
+                return mask
+            if self._lead is None:
+                self._tables()
+            if not rest:
+                room = self._lead + lead <= OPEN_LEAD_BYTES
+                allowed = room & (self._plain | self._fits)
+            else:
+                allowed = np.zeros(self.vocab_size, dtype=bool)
+                for t, piece in enumerate(self._pieces()[: self.vocab_size]):
+                    text = rest + piece
+                    allowed[t] = OPEN.startswith(text) or text.startswith(OPEN)
+            mask = self._masks[(lead, rest)] = mx.array(allowed)
+            return mask
 
 
 def masked(logits: mx.array, allowed: mx.array) -> mx.array:

@@ -366,8 +366,9 @@ class Engine:
             raise RequestError(BAD_REQUEST, f"format: {exc}") from None
         if opens or request.think_budget is not None:
             # The span is the prompt's, or one the model may open: the grammar starts after.
-            starts = self.grammars.opening(self._pieces)
-            return AfterThinking(constraint, self.tokenizer.decode, starts, opened=opens)
+            openings = self.grammars.openings(self._pieces)
+            eos = sorted(self.tokenizer.eos_ids)
+            return AfterThinking(constraint, self.tokenizer.decode, openings, eos, opened=opens)
         return constraint
 
     def _pieces(self) -> list[str]:

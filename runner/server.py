@@ -363,7 +363,12 @@ class Server:
                     jobs[id(stream)] = job
                 except Exception as exc:
                     self._failed(job, exc)
-            for stream in scheduler.step():
+            try:
+                ended = scheduler.step()
+            except Exception as exc:  # a bug outside the streams' own guards: end them all
+                log.error("scheduler step failed: %s", exc, exc_info=True)
+                ended = scheduler.fail_all(exc)
+            for stream in ended:
                 job = jobs.pop(id(stream))
                 if not job.finished:
                     self._failed(job, RuntimeError("the engine returned without a done frame"))

@@ -270,3 +270,22 @@ def test_constrained_streams_in_shared_forwards_equal_alone(engine):
         assert outs[r.id].ids == solo[r.id].ids, r.id
         if r.format is not None:
             json.loads(engine.detokenize(outs[r.id].ids))
+
+
+def test_a_failure_outside_the_streams_ends_them_all_and_the_engine_serves_on(engine):
+    reqs = [request(f"x{i}", q, num_predict=30) for i, q in enumerate(QUESTIONS[:3])]
+    expected = alone(engine, reqs[0]).ids
+    scheduler = Scheduler(engine)
+    outs = {r.id: Collector() for r in reqs}
+    for r in reqs:
+        scheduler.admit(engine.prepare(r), outs[r.id], lambda: False)
+    for _ in range(6):
+        scheduler.step()
+    ended = scheduler.fail_all(RuntimeError("scheduler bug"))
+    assert {s.req.id for s in ended} == {r.id for r in reqs} and not scheduler.active
+    assert scheduler.room == engine.parallel
+    for r in reqs:
+        frames = outs[r.id].frames
+        assert outs[r.id].done.done_reason == "error"
+        assert any(isinstance(f, Error) for f in frames)
+    assert alone(engine, reqs[0]).ids == expected

@@ -195,20 +195,30 @@ def test_after_thinking_passes_the_span_and_rolls_back_across_the_marker(default
     tok = default_loaded.tokenizer
     grammars = Grammars(tok.hf.to_str(), default_loaded.vocab_size, sorted(tok.eos_ids))
     pieces = [tok.piece(t) for t in range(default_loaded.vocab_size)]
-    starts = grammars.opening(lambda: pieces)
-    c = AfterThinking(grammars.compile(PERSON), tok.decode, starts, opened=True)
+    openings = grammars.openings(lambda: pieces)
+    eos = sorted(tok.eos_ids)
+
+    def deferred(opened: bool) -> AfterThinking:
+        return AfterThinking(grammars.compile(PERSON), tok.decode, openings, eos, opened=opened)
+
+    c = deferred(True)
+    assert not bool(c.mask()[eos[0]])  # the answer must come: no EOS inside the span
+
+    def free(mask) -> bool:  # everything but the stop tokens
+        return int(mask.sum().item()) == default_loaded.vocab_size - len(eos)
+
     span = tok.encode("some thoughts </think>", add_bos=False)
     json_ids = tok.encode('{"name": "Ann", "age": 3}', add_bos=False)
     for t in span[:-1]:
-        assert bool(c.mask().all()) and c.allows(t)
+        assert free(c.mask()) and c.allows(t)
     assert not c.active
     c.consume(span[-1])  # completes the marker
-    assert c.active and not bool(c.mask().all())
+    assert c.active and not free(c.mask())
     assert not c.allows(tok.encode("hello", add_bos=False)[0])  # the grammar has it now
     for t in json_ids[:3]:
         assert c.allows(t)
     c.rollback(3 + 1)  # the JSON tokens and the marker's end: back inside the span
-    assert not c.active and bool(c.mask().all())
+    assert not c.active and free(c.mask())
     for t in span[-1:] + json_ids:
         c.consume(t)
     assert c.active
@@ -216,7 +226,7 @@ def test_after_thinking_passes_the_span_and_rolls_back_across_the_marker(default
     assert only in tok.eos_ids and bool(allowed[only])  # complete: only EOS is left
 
     # A reply that may open the span itself (a think budget, a prompt that did not open it).
-    undecided = AfterThinking(grammars.compile(PERSON), tok.decode, starts, opened=False)
+    undecided = deferred(False)
     first = undecided.mask()
     brace = tok.encode('{"', add_bos=False)[0]
     lt = tok.encode("<", add_bos=False)[0]
@@ -250,3 +260,31 @@ def test_a_think_budget_without_an_opened_span_constrains_from_the_reply_start(e
         jsonschema.validate(json.loads(answer), PERSON)
         outputs.append([t for f in tokens for t in f.tokens])
     assert outputs[0] == outputs[1]
+
+
+def test_an_undecided_reply_follows_the_emitters_rule_for_the_open_marker(default_loaded):
+    """Up to 64 bytes of whitespace may lead <think> (as the think budget counts a span) and
+    no more; inside the span EOS is masked, so the answer must come."""
+    from runner.constraint import AfterThinking, Grammars
+
+    tok = default_loaded.tokenizer
+    grammars = Grammars(tok.hf.to_str(), default_loaded.vocab_size, sorted(tok.eos_ids))
+    pieces = [tok.piece(t) for t in range(default_loaded.vocab_size)]
+    openings = grammars.openings(lambda: pieces)
+    eos = sorted(tok.eos_ids)
+
+    def deferred(opened: bool) -> AfterThinking:
+        return AfterThinking(grammars.compile(PERSON), tok.decode, openings, eos, opened=opened)
+
+    # The emitter's rule: up to 64 bytes of whitespace may lead the marker, and no more.
+    newline = tok.encode("\n", add_bos=False)[0]
+    lead = deferred(False)
+    for _ in range(30):
+        assert lead.allows(newline)
+    for t in tok.encode("<think>", add_bos=False):
+        assert lead.allows(t)
+    assert not lead.active and not bool(lead.mask()[eos[0]])  # a span, 30 newlines in
+    capped = deferred(False)
+    for _ in range(64):
+        assert capped.allows(newline)
+    assert not bool(capped.mask()[newline]) and not capped.allows(newline)

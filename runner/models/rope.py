@@ -133,8 +133,10 @@ class RoPE(nn.Module):
 
     def row_tables(self, positions: list[int], dtype: mx.Dtype = mx.float32) -> RopeTables:
         """Composed tables for rows at arbitrary ``positions`` (a batched decode step, one row
-        per sequence), in either mode: row i gets exactly the values :meth:`tables` gives for
-        one row at ``positions[i]``. Not for a variant whose periods depend on the feed."""
+        per sequence), in either mode: row i gets exactly the values the composed
+        :meth:`tables` give for one row at ``positions[i]`` (with ``fast`` on, as on a GPU, a
+        lone forward rotates through ``mx.fast.rope`` instead, equal up to rounding). Not for
+        a variant whose periods depend on the feed."""
         if self.depends_on_feed:
             raise ValueError(f"{self.kind} RoPE depends on the feed: no per-row tables")
         return self._composed(mx.array(positions, dtype=mx.float32), self._period_table, dtype)
