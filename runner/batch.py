@@ -5,7 +5,7 @@ more than a forward over one (``runner.native``'s panel product reads each weigh
 all rows). The scheduler gives every active stream a cache slot of its own (the prefix cache
 restores into it and indexes it as for a single request) and each ``step`` does one of:
 
-- nothing decodes yet: the oldest admitted prompt prefills at full speed;
+- nothing decodes yet: the oldest admitted prompt prefills at full speed, a chunk a step;
 - one stream decodes and no prompt waits: that stream takes a step of its own, a speculative
   round when its head drafts (a round verifies several rows of one sequence, which pays only
   while the forward is not shared);
@@ -74,11 +74,14 @@ class Scheduler:
 
     def step(self) -> list[Stream]:
         """Advance the active streams once; returns those that finished (done frame sent)."""
+        for s in self.streams:  # prompts still waiting for their turn see their cancels
+            if s.prefilling:
+                self._guard(s, s.cancel_if_asked)
         decoding = [s for s in self.streams if not s.prefilling and not s.finished]
         waiting = [s for s in self.streams if s.prefilling]
         if not decoding:
-            if waiting:
-                self._guard(waiting[0], waiting[0].prefill)
+            if waiting:  # a chunk a step, so the others' cancels and admissions come between
+                self._guard(waiting[0], lambda: waiting[0].prefill(budget_s=float("inf")))
         elif len(decoding) == 1 and not waiting:
             stream = decoding[0]
             if self._was_shared and stream.speculates:

@@ -115,12 +115,15 @@ class Stream:
         return self.decoding is not None and self.decoding.driver is not None
 
     def prefill(self, budget_s: float | None = None) -> bool:
-        """Prefill some of the prompt: all of it (``budget_s`` None), else layers of the
-        current chunk until about ``budget_s`` seconds went by (at least one layer). True once
-        the prompt is in (the stream then decodes). A cancel ends the stream."""
+        """Prefill some of the prompt: all of it (``budget_s`` None), one chunk (``inf``),
+        else layers of the current chunk until about ``budget_s`` seconds went by (at least
+        one layer). True once the prompt is in (the stream then decodes). A cancel ends the
+        stream."""
         try:
             if budget_s is None:
                 self._prefill_all()
+            elif budget_s == float("inf"):  # one whole chunk
+                self._prefill_layers(budget_s, whole_chunk=True)
             else:
                 self._prefill_layers(budget_s)
         except Cancelled:
@@ -129,6 +132,15 @@ class Stream:
         if self.pending:
             return False
         self._start_decoding()
+        return True
+
+    def cancel_if_asked(self) -> bool:
+        """A prompt waiting for its turn: end it now if it was cancelled (True)."""
+        if self.finished or not self.prefilling or not self.cancelled():
+            return False
+        if self._layers is not None:
+            self._rewind_chunk()
+        self._cancelled_in_prefill()
         return True
 
     def _prefill_all(self) -> None:

@@ -289,3 +289,25 @@ def test_a_failure_outside_the_streams_ends_them_all_and_the_engine_serves_on(en
         assert outs[r.id].done.done_reason == "error"
         assert any(isinstance(f, Error) for f in frames)
     assert alone(engine, reqs[0]).ids == expected
+
+
+def test_a_prompt_waiting_for_its_turn_sees_its_cancel_at_once(engine):
+    """Behind a long prompt that prefills a chunk a step, a waiting request's cancel ends it
+    at the next step, with a cancelled done, and leaves the long prompt's answer unchanged."""
+    long_prompt = CHAT.format(" ".join(QUESTIONS * 12))
+    first = Completion(id="long", prompt=long_prompt, options=Options(temperature=0,
+                       num_predict=4))  # fmt: skip
+    expected = alone(engine, first).ids
+    engine.prefix.clear()
+    scheduler = Scheduler(engine)
+    outs = {"long": Collector(), "w": Collector()}
+    flags = {"w": False}
+    scheduler.admit(engine.prepare(first), outs["long"], lambda: False)
+    scheduler.admit(engine.prepare(request("w", QUESTIONS[1])), outs["w"], lambda: flags["w"])
+    scheduler.step()  # the long prompt's first chunk
+    flags["w"] = True
+    ended = scheduler.step()
+    assert [s.req.id for s in ended] == ["w"] and outs["w"].done.done_reason == "cancelled"
+    while scheduler.active:
+        scheduler.step()
+    assert outs["long"].ids == expected
