@@ -123,7 +123,7 @@ class Stream:
             if budget_s is None:
                 self._prefill_all()
             elif budget_s == float("inf"):  # one whole chunk
-                self._prefill_layers(budget_s, whole_chunk=True)
+                self._prefill_all(one_chunk=True)
             else:
                 self._prefill_layers(budget_s)
         except Cancelled:
@@ -143,18 +143,22 @@ class Stream:
         self._cancelled_in_prefill()
         return True
 
-    def _prefill_all(self) -> None:
+    def _prefill_all(self, one_chunk: bool = False) -> None:
         if self._layers is not None:  # a chunk begun layer by layer: finish it first
             self._prefill_layers(float("inf"), whole_chunk=True)
+            if one_chunk:
+                return
         if self.pending:
             on_commit = self.spec.on_commit if self.spec is not None else None
             engine = self.engine
+            end = next(e for e in self._ends if e > self.position) if one_chunk else None
+            tokens = self.pending if end is None else self.pending[: end - self.position]
             prefill(
-                engine.model, self.slot.caches, self.pending, self.position,
+                engine.model, self.slot.caches, tokens, self.position,
                 chunk=engine.chunk, cancelled=self.cancelled, on_commit=on_commit,
             )  # fmt: skip
-            self.position += len(self.pending)
-            self.pending = []
+            self.position += len(tokens)
+            self.pending = self.pending[len(tokens) :]
 
     def _prefill_layers(self, budget_s: float, whole_chunk: bool = False) -> None:
         """Layers of the next chunk, evaluated one by one until the budget is spent; a chunk

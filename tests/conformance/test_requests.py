@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.conformance.conftest import FAULT_ID
@@ -119,17 +121,36 @@ async def test_status_is_answered_while_a_completion_runs(shared_runner):
 
 
 async def test_cancel_of_a_queued_completion_sends_its_done_at_once(shared_runner):
-    running, queued = unique_id("running"), unique_id("queued")
-    await shared_runner.send(long_completion(running))
-    await shared_runner.reply(running)
+    # Long completions until one has to wait (--parallel runs several at once).
+    running = []
+    while len(running) < 9:
+        rid = unique_id("running")
+        await shared_runner.send(long_completion(rid))
+        running.append(rid)
+        if not await becomes_active(shared_runner, rid):
+            break
+    queued = unique_id("queued")
     await shared_runner.send(completion(queued))
     await shared_runner.send({"type": "cancel", "id": queued})
     tokens, done = await shared_runner.completion(queued, timeout=10)
     assert tokens == [] and done["done_reason"] == "cancelled"
     assert done["prompt_tokens"] == 0 and done["eval_tokens"] == 0
-    # The running completion was not disturbed by the queued one's cancel.
+    # The running completions were not disturbed by the queued one's cancel.
     assert shared_runner.proc.returncode is None
-    assert (await cancel_and_finish(shared_runner, running))["done_reason"] == "cancelled"
+    for rid in running:
+        assert (await cancel_and_finish(shared_runner, rid))["done_reason"] == "cancelled"
+
+
+async def becomes_active(runner, request_id: str, seconds: float = 3.0) -> bool:
+    """Whether ``status`` names ``request_id`` as running within ``seconds``."""
+    for _ in range(int(seconds / 0.1)):
+        fence = unique_id("status")
+        await runner.send({"type": "status", "id": fence})
+        status = await runner.reply(fence)
+        if request_id in status.get("active_ids", [status["active"]]):
+            return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 async def test_cancel_of_an_unknown_id_is_an_error(shared_runner):
