@@ -164,11 +164,7 @@ def main() -> int:
     import export_hf
 
     model = args.model or bc.default_model_path()
-    hf_dir = export_hf.default_export_dir(model)
-    if not export_hf.is_current(hf_dir, model):
-        print(f"exporting {model} to {hf_dir} ...", file=sys.stderr)
-        script = os.path.join(bc.ROOT, "scripts", "export_hf.py")
-        subprocess.run([sys.executable, script, "--model", model, "--out", hf_dir], check=True)
+    hf_dir = export_hf.ensure_export_in_child(model)
     bench_python = ensure_bench_venv()
 
     started = time.perf_counter()

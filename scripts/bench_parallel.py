@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -199,10 +198,7 @@ def main() -> int:
         import bench_decode
         import export_hf
 
-        hf_dir = export_hf.default_export_dir(model)
-        if not export_hf.is_current(hf_dir, model):
-            script = os.path.join(bc.ROOT, "scripts", "export_hf.py")
-            subprocess.run([sys.executable, script, "--model", model, "--out", hf_dir], check=True)
+        hf_dir = export_hf.ensure_export_in_child(model)
         python = bench_decode.ensure_bench_venv()
         env = dict(os.environ, PYTHONPATH=bc.ROOT)
         here = os.path.abspath(__file__)

@@ -238,11 +238,7 @@ def main() -> int:
     if not args.no_mlx_lm:
         import export_hf
 
-        hf_dir = export_hf.default_export_dir(model)
-        if not export_hf.is_current(hf_dir, model):
-            print(f"exporting {model} to {hf_dir} ...", file=sys.stderr)
-            script = os.path.join(bc.ROOT, "scripts", "export_hf.py")
-            subprocess.run([sys.executable, script, "--model", model, "--out", hf_dir], check=True)
+        hf_dir = export_hf.ensure_export_in_child(model)
     baseline = baseline_tree(args.baseline) if args.baseline else None
     lengths = [int(x) for x in args.lengths.split(",") if x]
 

@@ -125,6 +125,19 @@ def ensure_export(model_path: str, out_dir: str | None = None, force: bool = Fal
     return out_dir
 
 
+def ensure_export_in_child(model_path: str) -> str:
+    """:func:`ensure_export` into the default directory from a child process, so the caller
+    (a benchmark's parent, which must not load MLX itself) stays light; returns the directory."""
+    import subprocess
+
+    out_dir = default_export_dir(model_path)
+    if not is_current(out_dir, model_path):
+        print(f"exporting {model_path} to {out_dir} ...", file=sys.stderr)
+        argv = [sys.executable, os.path.abspath(__file__), "--model", model_path, "--out", out_dir]
+        subprocess.run(argv, check=True)
+    return out_dir
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model path (default: the embedded model)")

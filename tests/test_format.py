@@ -162,6 +162,18 @@ def test_a_tokenizer_the_grammar_engine_cannot_use_is_named():
         Grammars("{not a tokenizer", 320, [0]).compile("json")
 
 
+def think_run(engine: Engine, prompt: str, budget: int) -> tuple[str, object, list[int]]:
+    """A PERSON-constrained greedy completion of a raw ``prompt`` with a think budget."""
+    request = Completion(
+        id="t", prompt=prompt, format=PERSON, think_budget=budget,
+        options=Options(temperature=0.0, num_predict=120, repeat_penalty=1.0),
+    )  # fmt: skip
+    frames: list = []
+    engine.run(engine.prepare(request), frames.append, lambda: False)
+    tokens = [f for f in frames if type(f).__name__ == "Token"]
+    return "".join(f.content for f in tokens), frames[-1], [t for f in tokens for t in f.tokens]
+
+
 @pytest.mark.default_model
 def test_the_constraint_starts_after_the_reasoning_closes(engines, deep):
     """A prompt that opens <think> and a think budget: the span is free text, the budget
@@ -172,24 +184,17 @@ def test_the_constraint_starts_after_the_reasoning_closes(engines, deep):
     outputs = []
     for engine in (plain, speculative, deep):
         for budget in (0, 5):
-            request = Completion(
-                id="t", prompt=prompt, format=PERSON, think_budget=budget,
-                options=Options(temperature=0.0, num_predict=120, repeat_penalty=1.0),
-            )  # fmt: skip
-            frames: list = []
-            engine.run(engine.prepare(request), frames.append, lambda: False)
-            tokens = [f for f in frames if type(f).__name__ == "Token"]
-            text = "".join(f.content for f in tokens)
-            assert frames[-1].done_reason == "stop", text
+            text, done, ids = think_run(engine, prompt, budget)
+            assert done.done_reason == "stop", text
             _, _, after = text.partition("</think>")
             jsonschema.validate(json.loads(after), PERSON)
-            outputs.append([t for f in tokens for t in f.tokens])
+            outputs.append(ids)
     assert outputs[0:2] == outputs[2:4] == outputs[4:6]
 
 
-def test_after_thinking_passes_the_span_and_rolls_back_across_the_marker(default_loaded):
-    """The deferred matcher: free text until </think>, the grammar after it; a rollback over
-    the marker reopens the span, and the matcher's own state follows."""
+@pytest.fixture(scope="module")
+def deferred(default_loaded):
+    """deferred(opened) -> an AfterThinking over PERSON for the default model's vocabulary."""
     from runner.constraint import AfterThinking, Grammars
 
     tok = default_loaded.tokenizer
@@ -198,8 +203,16 @@ def test_after_thinking_passes_the_span_and_rolls_back_across_the_marker(default
     openings = grammars.openings(lambda: pieces)
     eos = sorted(tok.eos_ids)
 
-    def deferred(opened: bool) -> AfterThinking:
+    def make(opened: bool) -> AfterThinking:
         return AfterThinking(grammars.compile(PERSON), tok.decode, openings, eos, opened=opened)
+
+    return make
+
+
+def test_after_thinking_passes_the_span_and_rolls_back_across_the_marker(default_loaded, deferred):
+    """The deferred matcher: free text until </think>, the grammar after it; a rollback over
+    the marker reopens the span, and the matcher's own state follows."""
+    tok, eos = default_loaded.tokenizer, sorted(default_loaded.tokenizer.eos_ids)
 
     c = deferred(True)
     assert not bool(c.mask()[eos[0]])  # the answer must come: no EOS inside the span
@@ -247,34 +260,18 @@ def test_a_think_budget_without_an_opened_span_constrains_from_the_reply_start(e
     prompt = "<|im_start|>user\nGive a person as JSON.<|im_end|>\n<|im_start|>assistant\n"
     outputs = []
     for engine in (plain, speculative):
-        request = Completion(
-            id="b", prompt=prompt, format=PERSON, think_budget=4,
-            options=Options(temperature=0.0, num_predict=120, repeat_penalty=1.0),
-        )  # fmt: skip
-        frames: list = []
-        engine.run(engine.prepare(request), frames.append, lambda: False)
-        tokens = [f for f in frames if type(f).__name__ == "Token"]
-        text = "".join(f.content for f in tokens)
-        assert frames[-1].done_reason == "stop", text
+        text, done, ids = think_run(engine, prompt, 4)
+        assert done.done_reason == "stop", text
         _, _, answer = text.rpartition("</think>")
         jsonschema.validate(json.loads(answer), PERSON)
-        outputs.append([t for f in tokens for t in f.tokens])
+        outputs.append(ids)
     assert outputs[0] == outputs[1]
 
 
-def test_an_undecided_reply_follows_the_emitters_rule_for_the_open_marker(default_loaded):
+def test_an_undecided_reply_follows_the_emitters_rule_for_the_open_marker(default_loaded, deferred):
     """Up to 64 bytes of whitespace may lead <think> (as the think budget counts a span) and
     no more; inside the span EOS is masked, so the answer must come."""
-    from runner.constraint import AfterThinking, Grammars
-
-    tok = default_loaded.tokenizer
-    grammars = Grammars(tok.hf.to_str(), default_loaded.vocab_size, sorted(tok.eos_ids))
-    pieces = [tok.piece(t) for t in range(default_loaded.vocab_size)]
-    openings = grammars.openings(lambda: pieces)
-    eos = sorted(tok.eos_ids)
-
-    def deferred(opened: bool) -> AfterThinking:
-        return AfterThinking(grammars.compile(PERSON), tok.decode, openings, eos, opened=opened)
+    tok, eos = default_loaded.tokenizer, sorted(default_loaded.tokenizer.eos_ids)
 
     # The emitter's rule: up to 64 bytes of whitespace may lead the marker, and no more.
     newline = tok.encode("\n", add_bos=False)[0]
