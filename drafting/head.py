@@ -4,6 +4,7 @@ hidden at t.
     e = norm_e(embed(token))            # the target's shared embedding
     h = norm_h(hidden)                  # target hidden at t (post-final-norm by default)
     x = fc(concat(e, h))                # MiMo concatenates (h, e)
+                                        # a fused-feature head: h = norm_h(fuse(streams))
     x = layer(x, own KV cache)          # one decoder layer of the target's family
     y = norm(x)                         # returned: the head's next-step hidden and logit input
     logits = unembed(y)                 # the target's shared output head (or a vocab subset)
@@ -33,7 +34,31 @@ class HeadConfig:
     prenorm_hidden: bool = False
     # Token ids the head drafts over (a reduced vocabulary); None = the full vocabulary.
     draft_vocab: list[int] | None = None
+    # Residual streams (k: after k target layers) fused with the final hidden into the
+    # head's hidden input (a low and a middle one, EAGLE-3 style); empty = the final only.
+    feature_layers: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+
+
+class FeatureFusion(nn.Module):
+    """The target streams a fused-feature head reads, ``[..., S * D]`` (the feature layers'
+    streams, then the final hidden), each RMS-normed with its own gain, projected to ``D``.
+
+    Initialised to pass the final hidden through (the projection's last block the identity),
+    so a new fused head starts as the final-hidden head it extends."""
+
+    def __init__(self, streams: int, dim: int, eps: float, linear: type[nn.Linear]) -> None:
+        super().__init__()
+        self.norms = [nn.RMSNorm(dim, eps=eps) for _ in range(streams)]
+        self.proj = linear(streams * dim, dim, bias=False)
+        eye = mx.eye(dim)
+        self.proj.weight = mx.concatenate([mx.zeros((dim, (streams - 1) * dim)), eye], axis=1)
+
+    def __call__(self, streams: mx.array) -> mx.array:
+        parts = mx.split(streams, len(self.norms), axis=-1)
+        return self.proj(
+            mx.concatenate([n(p) for n, p in zip(self.norms, parts, strict=True)], axis=-1)
+        )
 
 
 class MTPHead(nn.Module):
@@ -56,6 +81,8 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_embedding = nn.RMSNorm(d, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(d, eps=eps)
         self.fc = linear(2 * d, d, bias=False)
+        if config.feature_layers:
+            self.fuse = FeatureFusion(len(config.feature_layers) + 1, d, eps, linear)
         self.layers = [layer]
         self.norm = nn.RMSNorm(d, eps=eps)
         self._embed = embed
@@ -90,13 +117,25 @@ class MTPHead(nn.Module):
 
         Writes L entries into ``cache`` at its offset; returns the normed outputs ``[B, L, D]``.
         """
-        e = self.pre_fc_norm_embedding(self._embed(tokens))
-        h = self.pre_fc_norm_hidden(hidden)
-        x = self.fc(mx.concatenate([h, e] if self.config.hidden_first else [e, h], axis=-1))
         if mask is None and tokens.shape[1] > 1:
             mask = "causal"
-        x = self.layers[0](x, mask, cache)
+        x = self.layers[0](self.input(tokens, hidden), mask, cache)
         return self.norm(x)
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the target rows the head reads: ``D`` times the streams it fuses."""
+        return self.config.hidden_size * (len(self.config.feature_layers) + 1)
+
+    def input(self, tokens: mx.array, hidden: mx.array) -> mx.array:
+        """The block's input ``fc(concat(e, h))``. ``hidden`` is a target row (the fused
+        streams for a fused-feature head) or, in a chained draft step, the head's own output
+        ``[..., D]``, which takes the place of the fused streams."""
+        if "fuse" in self and hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fuse(hidden)
+        e = self.pre_fc_norm_embedding(self._embed(tokens))
+        h = self.pre_fc_norm_hidden(hidden)
+        return self.fc(mx.concatenate([h, e] if self.config.hidden_first else [e, h], axis=-1))
 
     def logits(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array:
         """Logits over the draft vocabulary (``[..., Vd]``) or, without one, ``unembed(y)``."""

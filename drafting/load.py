@@ -179,6 +179,7 @@ class Sidecar:
     norm_shift: bool
     draft_vocab: list[int] | None
     config: dict = field(default_factory=dict)
+    feature_layers: list[int] = field(default_factory=list)
 
     @property
     def weights_path(self) -> str:
@@ -229,6 +230,16 @@ def read_sidecar(directory: str) -> Sidecar:
     weights_path = os.path.join(directory, SIDECAR_WEIGHTS)
     weights = read_safetensors(weights_path, error=DraftHeadError)
     draft_vocab = _read_draft_vocab(weights, config, target["vocab_size"], weights_path)
+    layers = config.get("feature_layers", [])
+    if not isinstance(layers, list) or not all(
+        isinstance(k, int) and not isinstance(k, bool) and 1 <= k < target["num_hidden_layers"]
+        for k in layers
+    ):
+        raise DraftHeadError(
+            f"'feature_layers' must list layer counts in 1..{target['num_hidden_layers'] - 1}, "
+            f"found {layers!r}",
+            config_path,
+        )
     return Sidecar(
         path=directory,
         naming=naming,
@@ -239,6 +250,7 @@ def read_sidecar(directory: str) -> Sidecar:
         norm_shift=_flag(config, "norm_shift", False, config_path),
         draft_vocab=draft_vocab,
         config=config,
+        feature_layers=list(layers),
     )
 
 
@@ -321,6 +333,8 @@ def write_sidecar(
     }
     if vocab is not None:
         config["draft_vocab_size"] = len(vocab)
+    if head.config.feature_layers:
+        config["feature_layers"] = list(head.config.feature_layers)
     with open(os.path.join(directory, SIDECAR_CONFIG), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return directory

@@ -140,6 +140,8 @@ class Engine:
             log.info("%s; prefix cache and prefill chunks off too", mtp_detail)
         elif options.use_draft:
             head, mtp_detail = load_draft_head(self.loaded, options.draft_path)
+        if head is not None and head.config.feature_layers:  # rows carry the fused streams
+            self.model.use_draft_features(tuple(head.config.feature_layers))
         self.tuning = device.tune(
             self.model, head, layout=options.weight_layout, row_layout=options.row_layout,
             compile=options.compile,

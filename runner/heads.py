@@ -123,6 +123,8 @@ def describe(head: MTPHead, source: str) -> str:
         parts.append(f"draft vocab {len(config.draft_vocab)}")
     if config.prenorm_hidden:
         parts.append("pre-norm hidden")
+    if config.feature_layers:
+        parts.append(f"fuses the streams after layers {config.feature_layers} and the final")
     return ", ".join(parts)
 
 
@@ -163,9 +165,17 @@ def load_embedded_head(
 
 
 def load_sidecar_head(loaded: LoadedModel, directory: str) -> MTPHead:
-    """Load a sidecar directory; checks it was made for a target of this shape."""
+    """Load a sidecar directory; checks it was made for a target of this shape (and, for a
+    fused-feature head, one whose forward provides the streams it fuses)."""
     sidecar = read_sidecar(directory)
     _check_target(loaded, sidecar)
+    if sidecar.feature_layers and not getattr(loaded.model, "serves_draft_features", False):
+        family = type(loaded.model).__module__.rsplit(".", 1)[-1]
+        raise DraftHeadError(
+            f"the head fuses the streams after layers {sidecar.feature_layers}, which the "
+            f"{family} forward does not provide",
+            path=sidecar.config_path,
+        )
     args = loaded.model.args
     config = HeadConfig(
         hidden_size=args.hidden_size,
@@ -173,6 +183,7 @@ def load_sidecar_head(loaded: LoadedModel, directory: str) -> MTPHead:
         hidden_first=sidecar.hidden_first,
         prenorm_hidden=sidecar.prenorm_hidden,
         draft_vocab=sidecar.draft_vocab,
+        feature_layers=sidecar.feature_layers,
         extra={
             "naming": sidecar.naming,
             "source": directory,

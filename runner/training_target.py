@@ -22,7 +22,7 @@ from cache.kv import KVCache
 from drafting.training.config import TrainingError
 from drafting.training.target import as_numpy
 from protocol.errors import LoadError
-from runner import device
+from runner import blas, device
 from runner.heads import load_draft_head
 from runner.loader import load_model
 from runner.models import moe
@@ -61,10 +61,18 @@ class RunnerTarget:
         return self.model.make_caches()
 
     def hidden(self, tokens: np.ndarray, cache: list, offset: int, mask: np.ndarray) -> np.ndarray:
+        return self.hidden_features(tokens, cache, offset, mask, ())[0]
+
+    def hidden_features(
+        self, tokens: np.ndarray, cache: list, offset: int, mask: np.ndarray, layers: tuple
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         if cache and cache[0].offset != offset:
             raise ValueError(f"the caches hold {cache[0].offset} positions, not {offset}")
-        h = self.model.hidden(mx.array(tokens), cache, mask=mx.array(mask)[:, None])
-        return as_numpy(h)
+        h, feats = self.model.hidden(
+            mx.array(tokens), cache, mask=mx.array(mask)[:, None], features=tuple(layers)
+        )
+        mx.eval(h) if feats is None else mx.eval(h, feats)
+        return as_numpy(h), (as_numpy(feats) if layers else None)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return as_numpy(self.model.unembed(mx.array(hidden)))
@@ -131,6 +139,9 @@ class RunnerTarget:
             device.tune(self.model, head, compile=False)
             self.tuned = True
         return head, description
+
+    def training_threads(self):
+        return blas.wide()
 
     def time_steps(self, head, reps: int, context: int = 128) -> dict:
         return time_steps(self.model, head, reps, context)
@@ -237,7 +248,7 @@ def time_steps(model, head, reps: int, context: int = 128) -> dict:
         return mx.argmax(model.unembed(h[:, -1]), axis=-1)
 
     hcache = KVCache()
-    hid = mx.random.normal((1, context, model.args.hidden_size))
+    hid = mx.random.normal((1, context, head.feature_width))
     mx.eval(head(ids, hid, hcache))
     one_hid = hid[:, :1]
 

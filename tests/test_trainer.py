@@ -195,8 +195,9 @@ def test_resume_continues_where_training_stopped(trained, tmp_path):
 def test_training_can_continue_from_a_written_head(trained, tmp_path):
     target, prompt_dir, work, out, _ = trained
     more = str(tmp_path / "more")
-    log = run_script(*trainer_args(target, prompt_dir, work, more, "--steps", "4",
-                                   "--init-head", out, "--stage", "train"))  # fmt: skip
+    # The one-step NumPy trainer continuing a head the chain trained.
+    log = run_script(*trainer_args(target, prompt_dir, work, more, "--steps", "4", "--init-head",
+                                   out, "--stage", "train", "--chain-steps", "1"))  # fmt: skip
     assert f"starting from the head in {out}" in log
     with open(os.path.join(out, "config.json")) as f:
         first = json.load(f)["training"]

@@ -99,12 +99,14 @@ def _run_batch(head, target, seqs, depth, sampling, result: ChainResult) -> None
     width = max(s.prompt_len for s in seqs)
     pads = np.array([width - s.prompt_len for s in seqs])
     cols = max(pads[b] + len(s.tokens) for b, s in enumerate(seqs))
-    dim = seqs[0].hiddens.shape[1]
+    fused = bool(head.config.feature_layers)
+    rows = [np.concatenate([s.features, s.hiddens], axis=1) if fused else s.hiddens for s in seqs]
+    dim = rows[0].shape[1]
     tok = np.zeros((batch, cols + depth), dtype=np.int32)
     hid = np.zeros((batch, cols + depth, dim), dtype=np.float32)
     for b, s in enumerate(seqs):
         tok[b, pads[b] : pads[b] + len(s.tokens)] = s.tokens
-        hid[b, pads[b] : pads[b] + len(s.hiddens)] = s.hiddens
+        hid[b, pads[b] : pads[b] + len(s.hiddens)] = rows[b]
     dists = [_target_dists(target, s, sampling) for s in seqs] if sampling else None
 
     def full_vocabulary(y: mx.array) -> mx.array:  # a head without a draft vocabulary

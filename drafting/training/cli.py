@@ -77,6 +77,9 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     g.add_argument("--gen-batch", type=int, default=d.gen_batch, help="answers per forward")
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--feature-layers", default=d.feature_layers,
+                   help="residual streams recorded for a fused-feature head (auto: after 2 and "
+                   "L/2 layers; none; or a list like 2,15; default: auto with --fuse)")  # fmt: skip
     t = p.add_argument_group("training")
     t.add_argument("--draft-vocab", type=int, default=d.draft_vocab)
     t.add_argument("--loss", choices=["ce", "kl", "mix"], default=d.loss,
@@ -93,6 +96,20 @@ def train_parser() -> argparse.ArgumentParser:
         help="weight of an MSE between the head's output and the target's next hidden",
     )
     t.add_argument("--dropout", type=float, default=d.dropout)
+    t.add_argument(
+        "--chain-steps",
+        type=int,
+        default=d.chain_steps,
+        help="training-time test: chained draft steps trained per pair",
+    )
+    t.add_argument(
+        "--chain-decay",
+        type=float,
+        default=d.chain_decay,
+        help="loss weight decay per chained step",
+    )
+    t.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=d.fuse,
+                   help="fuse the recorded feature layers into the head's input")  # fmt: skip
     t.add_argument("--epochs", type=float, default=d.epochs)
     t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (over --epochs)")
     t.add_argument("--batch", type=int, default=d.batch, help="pairs per step")

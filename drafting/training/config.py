@@ -43,6 +43,9 @@ class TrainConfig:
     gen_batch: int = 48
     gen_workers: int = 1
     seed: int = 0
+    # Residual streams recorded for a fused-feature head: auto, none or "k1,k2" (layer counts);
+    # empty: auto with ``fuse``, none without (they triple the cached data).
+    feature_layers: str = ""
     # training
     draft_vocab: int = 4096
     loss: str = "ce"  # ce, kl or mix
@@ -50,6 +53,11 @@ class TrainConfig:
     fc_init: str = "residual"  # residual or default
     hidden_loss: float = 1.0
     dropout: float = 0.0
+    # Training-time test: chained draft steps per pair (1: the first draft only) and the
+    # loss weight's decay per step.
+    chain_steps: int = 3
+    chain_decay: float = 0.8
+    fuse: bool = False  # fuse the recorded feature layers' streams into the head's input
     epochs: float = 4.0
     steps: int = 0  # overrides epochs when > 0
     batch: int = 1024  # pairs per step
@@ -72,7 +80,8 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise TrainingError(f"{name} must be one of {', '.join(allowed)}")
-        for name in ("gen_batch", "gen_workers", "batch", "max_new_tokens", "draft_vocab"):
+        for name in ("gen_batch", "gen_workers", "batch", "max_new_tokens", "draft_vocab",
+                     "chain_steps"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise TrainingError(f"{name} must be at least 1")
         if self.minutes < 0:

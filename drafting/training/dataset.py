@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -36,6 +36,8 @@ class GenSettings:
     top_k: int
     seed: int
     top_p: float = 1.0
+    # Residual streams recorded beside the final hidden (k: after k decoder layers).
+    feature_layers: list[int] = field(default_factory=list)
 
 
 def plan_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
@@ -87,14 +89,32 @@ def read_plan(work_dir: str) -> tuple[list[list[Job]], GenSettings]:
     return batches, GenSettings(**plan["settings"])
 
 
+def add_generation_seconds(work_dir: str, seconds: float) -> None:
+    """Add to the work dir's record of the time generation took (``gen_stats.json``)."""
+    stats_path = os.path.join(work_dir, "gen_stats.json")
+    stats = {}
+    if os.path.exists(stats_path):
+        with open(stats_path, encoding="utf-8") as f:
+            stats = json.load(f)
+    stats["seconds"] = stats.get("seconds", 0.0) + seconds
+    tmp = stats_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(stats, f)
+    os.replace(tmp, stats_path)
+
+
 def batch_path(work_dir: str, index: int) -> str:
     return os.path.join(work_dir, f"gen-{index:05d}.npz")
 
 
 def save_batch(path: str, seqs) -> None:
     tmp = path + ".tmp.npz"
+    extra = {}
+    if seqs and seqs[0].features is not None:
+        extra["features"] = np.concatenate([s.features for s in seqs])
     np.savez(
         tmp,
+        **extra,
         tokens=np.concatenate([s.tokens for s in seqs]),
         hiddens=np.concatenate([s.hiddens for s in seqs]),
         argmax=np.concatenate([s.argmax for s in seqs]),
@@ -119,6 +139,7 @@ class Sequence:
     hiddens: np.ndarray  # float16 [T-1, D]
     argmax: np.ndarray  # int32 [T-1]
     heldout: bool = False
+    features: np.ndarray | None = None  # float16 [T-1, F * D]: the plan's feature layers
 
     @property
     def answer_len(self) -> int:
@@ -139,6 +160,7 @@ def load_sequences(work_dir: str, partial: bool = False) -> list[Sequence]:
             tok_off = np.concatenate([[0], np.cumsum(z["lengths"])])
             hid_off = np.concatenate([[0], np.cumsum(z["lengths"] - 1)])
             tokens, hiddens, argmax = z["tokens"], z["hiddens"], z["argmax"]
+            feats = z["features"] if "features" in z.files else None
             for s, job in enumerate(jobs):
                 out.append(
                     Sequence(
@@ -149,6 +171,7 @@ def load_sequences(work_dir: str, partial: bool = False) -> list[Sequence]:
                         hiddens=hiddens[hid_off[s] : hid_off[s + 1]],
                         argmax=argmax[hid_off[s] : hid_off[s + 1]],
                         heldout=job.heldout,
+                        features=None if feats is None else feats[hid_off[s] : hid_off[s + 1]],
                     )
                 )
     return out

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from .dataset import Sequence, batch_path, read_plan, save_batch
+from .dataset import Sequence, add_generation_seconds, batch_path, read_plan, save_batch
 from .npops import NEG
 from .progress import Progress
 from .target import Target
@@ -91,8 +91,10 @@ def generate_batch(
     top_k: int = 40,
     top_p: float = 1.0,
     pad_id: int = 0,
+    feature_layers: tuple[int, ...] = (),
 ) -> list[Sequence]:
-    """Generate one answer per prompt (row temperature 0 = greedy), capturing hiddens."""
+    """Generate one answer per prompt (row temperature 0 = greedy), capturing hiddens (and
+    the residual streams after ``feature_layers`` layers, for heads that fuse them)."""
     rng = np.random.default_rng(seed)
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts])
@@ -103,12 +105,15 @@ def generate_batch(
         grid[b, pads[b] :] = p
     temps = np.asarray(temperatures, dtype=np.float32)
     cache = target.new_cache(batch, width + max_new_tokens)
-    hidden = target.hidden(grid, cache, 0, prefill_mask(pads, width))
+    layers = tuple(feature_layers)
+    hidden, feats = target.hidden_features(grid, cache, 0, prefill_mask(pads, width), layers)
     nxt, amax = draw(target.logits(hidden[:, -1]), temps, top_k, rng, top_p)
     prompt_h = hidden.astype(np.float16)
+    prompt_f = feats.astype(np.float16) if layers else None
     first_argmax = amax
     out_tokens = [[int(t)] for t in nxt]
     out_h: list[list[np.ndarray]] = [[] for _ in range(batch)]
+    out_f: list[list[np.ndarray]] = [[] for _ in range(batch)]
     out_a: list[list[int]] = [[] for _ in range(batch)]
     rows = np.arange(batch)  # rows[i] = original index of live batch row i
     done = np.array([out_tokens[b][0] in eos_ids for b in range(batch)])
@@ -122,7 +127,11 @@ def generate_batch(
             rows = rows[keep]
             target.keep_rows(cache, keep)
         feed = np.array([[out_tokens[r][-1]] for r in rows], dtype=np.int64)
-        h = target.hidden(feed, cache, offset, step_mask(pads[rows], offset + 1))[:, 0]
+        h, f = target.hidden_features(
+            feed, cache, offset, step_mask(pads[rows], offset + 1), layers
+        )
+        h = h[:, 0]
+        f16 = f[:, 0].astype(np.float16) if layers else None
         offset += 1
         nxt, amax = draw(target.logits(h), temps[rows], top_k, rng, top_p)
         h16 = h.astype(np.float16)
@@ -130,12 +139,17 @@ def generate_batch(
             if done[r]:
                 continue
             out_h[r].append(h16[i])
+            if layers:
+                out_f[r].append(f16[i])
             out_a[r].append(int(amax[i]))
             out_tokens[r].append(int(nxt[i]))
             done[r] = int(nxt[i]) in eos_ids
     seqs = []
     for b in range(batch):
         hs = [prompt_h[b, pads[b] :]] + ([np.stack(out_h[b])] if out_h[b] else [])
+        fs = None
+        if layers:
+            fs = [prompt_f[b, pads[b] :]] + ([np.stack(out_f[b])] if out_f[b] else [])
         amax_prompt = np.full(int(lengths[b]), -1, dtype=np.int32)
         amax_prompt[-1] = first_argmax[b]
         seqs.append(
@@ -146,6 +160,7 @@ def generate_batch(
                 tokens=np.array(list(prompts[b]) + out_tokens[b], dtype=np.int32),
                 hiddens=np.concatenate(hs, axis=0),
                 argmax=np.concatenate([amax_prompt, np.array(out_a[b], dtype=np.int32)]),
+                features=np.concatenate(fs, axis=0) if fs else None,
             )
         )
     return seqs
@@ -162,6 +177,7 @@ def run_generation(work_dir: str, target: Target) -> float:
     bar = Progress("generate", sum(len(batches[i]) for i in todo), "answers")
     made = 0
     for i in todo:
+        batch_start = time.time()
         jobs = batches[i]
         seqs = generate_batch(
             target,
@@ -173,8 +189,11 @@ def run_generation(work_dir: str, target: Target) -> float:
             seed=settings.seed * 100003 + i,
             top_k=settings.top_k,
             top_p=settings.top_p,
+            feature_layers=tuple(settings.feature_layers),
         )
         save_batch(batch_path(work_dir, i), seqs)
+        # Recorded batch by batch: an interrupted run keeps the time its batches took.
+        add_generation_seconds(work_dir, time.time() - batch_start)
         made += sum(s.answer_len for s in seqs)
         rate = made / max(time.time() - start, 1e-9)
         bar.update(len(jobs), f"{made} answer tokens, {rate:.1f} tok/s")

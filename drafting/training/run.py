@@ -12,7 +12,7 @@ from .chain import SamplingOptions, evaluate_chain
 from .config import GEN_SHARE, EvalConfig, TrainConfig, TrainingError
 from .generate import run_generation
 from .progress import log
-from .target import LoadTarget, Target
+from .target import LoadTarget, Target, load_head
 from .train import train_and_write
 
 
@@ -72,11 +72,30 @@ def build_jobs(
     return jobs, record
 
 
-def _settings(target: str, max_new_tokens: int, batch: int, top_k: int, seed: int, top_p: float):
+def _settings(target: str, max_new_tokens: int, batch: int, top_k: int, seed: int, top_p: float,
+              feature_layers: tuple[int, ...] = ()):  # fmt: skip
     return dataset.GenSettings(
         target=os.path.abspath(os.path.expanduser(target)), max_new_tokens=max_new_tokens,
         batch_size=batch, top_k=top_k, seed=seed, top_p=top_p,
+        feature_layers=list(feature_layers),
     )  # fmt: skip
+
+
+def feature_layers(spec: str, layers: int) -> tuple[int, ...]:
+    """The residual streams a fused-feature head reads besides the final hidden: ``auto`` is
+    a low and a middle one (after 2 and L/2 layers; none for targets under 8 layers),
+    ``none`` none, or a comma-separated list of layer counts in 1..L-1."""
+    if spec == "none":
+        return ()
+    if spec == "auto":
+        return (2, layers // 2) if layers >= 8 else ()
+    try:
+        picked = tuple(sorted({int(k) for k in spec.split(",") if k.strip()}))
+    except ValueError as exc:
+        raise TrainingError(f"feature layers must be auto, none or numbers: {spec!r}") from exc
+    if not picked or any(not 1 <= k < layers for k in picked):
+        raise TrainingError(f"feature layers must lie in 1..{layers - 1}: {spec!r}")
+    return picked
 
 
 def budget_prompts(cfg: TrainConfig, target: Target, settings) -> int:
@@ -94,7 +113,6 @@ def budget_prompts(cfg: TrainConfig, target: Target, settings) -> int:
     heldout_jobs = [j for j in heldout_jobs if j.heldout]
     dataset.prepare_plan(cfg.work_dir, heldout_jobs, settings)
     seconds = max(run_generation(cfg.work_dir, target), 1e-3)
-    _add_generation_seconds(cfg.work_dir, seconds)
     rate = len(heldout_jobs) / seconds  # answers per second
     left = max(GEN_SHARE * cfg.minutes * 60 - seconds, 0.0)
     count = max(int(left * rate / len(cfg.temperatures)), 1)
@@ -109,21 +127,12 @@ def budget_prompts(cfg: TrainConfig, target: Target, settings) -> int:
     return count
 
 
-def _add_generation_seconds(work_dir: str, seconds: float) -> None:
-    stats_path = os.path.join(work_dir, "gen_stats.json")
-    stats = {}
-    if os.path.exists(stats_path):
-        with open(stats_path, encoding="utf-8") as f:
-            stats = json.load(f)
-    stats["seconds"] = stats.get("seconds", 0.0) + seconds
-    with open(stats_path, "w", encoding="utf-8") as f:
-        json.dump(stats, f)
-
-
 def generate(cfg: TrainConfig, target: Target) -> dict:
     """Fill the work dir with the target's answers to the training and held-out prompts."""
+    spec = cfg.feature_layers or ("auto" if cfg.fuse else "none")
+    layers = feature_layers(spec, target.model.args.num_hidden_layers)
     settings = _settings(
-        cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p
+        cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p, layers
     )
     count = budget_prompts(cfg, target, settings) if cfg.minutes > 0 else None
     jobs, record = build_jobs(cfg, target, max_prompts=count)
@@ -137,7 +146,6 @@ def generate(cfg: TrainConfig, target: Target) -> dict:
         f"{len(jobs)} answers in {len(batches)} batches ({have} cached)"
     )
     seconds = run_generation(cfg.work_dir, target)
-    _add_generation_seconds(cfg.work_dir, seconds)
     log(f"[gen] done in {seconds / 60:.1f} min")
     return record
 
@@ -155,8 +163,9 @@ def train_head(cfg: TrainConfig, load_target: LoadTarget) -> dict | None:
     return record
 
 
-def heldout_answers(cfg: EvalConfig, target: Target):
-    """The target's greedy and sampled answers to the held-out prompts (cached)."""
+def heldout_answers(cfg: EvalConfig, target: Target, layers: tuple[int, ...] = ()):
+    """The target's greedy and sampled answers to the held-out prompts (cached), with the
+    streams after ``layers`` layers (a fused-feature head's; cached apart)."""
     items = prompts.load_prompt_set(cfg.prompts_dir)
     _, heldout = prompts.split_prompts(items)
     heldout = select_prompts(heldout, cfg.max_prompts)
@@ -165,11 +174,12 @@ def heldout_answers(cfg: EvalConfig, target: Target):
         ids = prompt_ids(cfg.template, p.text, target)
         jobs += [dataset.Job(p.index, t, ids, True) for t in (0.0, cfg.temperature)]
     settings = _settings(
-        cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p
+        cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p, layers
     )
-    dataset.prepare_plan(cfg.work_dir, jobs, settings)
-    seconds = run_generation(cfg.work_dir, target)
-    seqs = dataset.load_sequences(cfg.work_dir)
+    work_dir = cfg.work_dir + "".join(f"-{k}" for k in layers) if layers else cfg.work_dir
+    dataset.prepare_plan(work_dir, jobs, settings)
+    seconds = run_generation(work_dir, target)
+    seqs = dataset.load_sequences(work_dir)
     log(
         f"held-out: {len(heldout)} prompts from {len({p.template for p in heldout})} "
         f"templates ({seconds / 60:.1f} min generating)"
@@ -181,9 +191,9 @@ def eval_head(cfg: EvalConfig, load_target: LoadTarget) -> dict:
     """Acceptance per draft position, greedy and sampled, and the draft step's cost."""
     start = time.time()
     target = load_target(cfg.target, tune=False)
-    head, description = target.load_head(cfg.head)
+    head, description = load_head(target, cfg.head)
     log(description)
-    heldout, seqs = heldout_answers(cfg, target)
+    heldout, seqs = heldout_answers(cfg, target, tuple(head.config.feature_layers))
     greedy = [s for s in seqs if s.temperature == 0.0]
     sampled = [s for s in seqs if s.temperature > 0.0]
     sampling = SamplingOptions(cfg.temperature, cfg.top_k, cfg.top_p)

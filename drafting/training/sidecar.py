@@ -18,12 +18,18 @@ from drafting.load import sidecar_target, write_sidecar
 from .target import Target
 
 
-def build_head(target: Target, draft_vocab: list[int] | None) -> MTPHead:
+def build_head(
+    target: Target, draft_vocab: list[int] | None, feature_layers: list[int] | None = None
+) -> MTPHead:
     """A head for ``target`` initialised from its last decoder layer and final norm (a MoE
-    last layer's MLP from its first expert: the head's block stays dense)."""
+    last layer's MLP from its first expert: the head's block stays dense); ``feature_layers``:
+    the streams it fuses with the final hidden (none by default)."""
     model = target.model
     layer = target.head_layer()
-    config = HeadConfig(hidden_size=model.args.hidden_size, rms_norm_eps=model.args.rms_norm_eps)
+    config = HeadConfig(
+        hidden_size=model.args.hidden_size, rms_norm_eps=model.args.rms_norm_eps,
+        feature_layers=list(feature_layers or []),
+    )  # fmt: skip
     head = MTPHead(config, layer, model.embed, model.output_weight)
     head.norm.weight = mx.array(model.model.norm.weight)
     head.set_draft_vocab(draft_vocab)

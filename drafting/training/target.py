@@ -9,11 +9,16 @@ runner serves.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from protocol.errors import DraftHeadError
+
+from .config import TrainingError
 
 
 class Target(Protocol):
@@ -27,6 +32,12 @@ class Target(Protocol):
     def hidden(self, tokens: np.ndarray, cache: list, offset: int, mask: np.ndarray) -> np.ndarray:
         """Post-final-norm hiddens ``[B, L, D]`` (float32) for ``tokens`` ``[B, L]`` written at
         ``offset``; ``mask`` additive ``[B, L, offset + L]`` (left padding hidden)."""
+
+    def hidden_features(
+        self, tokens: np.ndarray, cache: list, offset: int, mask: np.ndarray, layers: tuple
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`hidden` and, for ``layers`` (k: the residual stream after k decoder layers),
+        those streams concatenated ``[B, L, len(layers) * D]`` (None when ``layers`` is empty)."""
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """The target's logits ``[N, V]`` (float32) for hiddens ``[N, D]``."""
@@ -54,6 +65,10 @@ class Target(Protocol):
     def load_head(self, path: str) -> tuple[Any, str]:
         """A written sidecar loaded as the runner loads it, and its description."""
 
+    def training_threads(self) -> AbstractContextManager:
+        """A context in which the MLX training step's products use every core (the
+        runner's own BLAS threading)."""
+
     def time_steps(self, head: Any, reps: int) -> dict:
         """One target decode step against one draft step (batch 1), in milliseconds."""
 
@@ -61,6 +76,15 @@ class Target(Protocol):
 # load_target(path, tune=True): tune lays the model out for serving speed at once; False
 # leaves that to the first load_head (evaluation times the head as the runner runs it).
 LoadTarget = Callable[..., Target]
+
+
+def load_head(target: Target, path: str) -> tuple[Any, str]:
+    """A written head through the target's loader; one that cannot be loaded is a
+    ``TrainingError`` naming it (no traceback for a mistyped path)."""
+    try:
+        return target.load_head(path)
+    except DraftHeadError as exc:
+        raise TrainingError(f"cannot load the head {path}: {exc}") from exc
 
 
 def as_numpy(a: mx.array) -> np.ndarray:

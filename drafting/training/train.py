@@ -22,11 +22,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import dataset
+from .chain_train import ChainOptions, ChainTrainer
 from .config import TrainConfig, TrainingError
 from .nphead import Adam, NumpyHead, hidden_regression, loss_and_grad
 from .progress import Progress, log
 from .sidecar import build_head, match_residual_scale, write_head
-from .target import Target
+from .target import Target, load_head
 
 # Steps timed at the start of a run with a time budget, to cut the step count to it.
 BUDGET_PROBE_STEPS = 5
@@ -59,14 +60,23 @@ class Example:
     first_loss: int  # pairs before this index are prompt context
 
 
-def to_example(seq: dataset.Sequence, vocab_index: np.ndarray) -> Example | None:
+def to_example(
+    seq: dataset.Sequence, vocab_index: np.ndarray, fused: bool = False
+) -> Example | None:
+    """``fused``: the pairs' target rows are the recorded streams and the final hidden,
+    concatenated (what a fused-feature head reads)."""
     n = len(seq.tokens) - 2
     if n < seq.prompt_len:  # no answer pair with a label
         return None
     labels = seq.argmax[1 : n + 1]
+    rows = seq.hiddens[:n]
+    if fused:
+        if seq.features is None:
+            raise TrainingError("a fused-feature head needs data generated with feature layers")
+        rows = np.concatenate([seq.features[:n], rows], axis=1)
     return Example(
         tokens=seq.tokens[1 : n + 1].astype(np.int32),
-        hiddens=seq.hiddens[:n],
+        hiddens=rows,
         next_hiddens=seq.hiddens[1 : n + 1],
         labels=np.where(labels >= 0, vocab_index[np.maximum(labels, 0)], -1).astype(np.int32),
         first_loss=seq.prompt_len - 1,
@@ -222,6 +232,34 @@ def train_step(
     return loss
 
 
+class NumpyTrainer:
+    """The one-step NumPy path (``nphead``) behind the interface ``ChainTrainer`` has."""
+
+    def __init__(self, head: NumpyHead, args: TrainConfig) -> None:
+        self.head, self.args = head, args
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        return self.head.params
+
+    @params.setter
+    def params(self, value: dict[str, np.ndarray]) -> None:
+        self.head.params = value
+
+    def collate(self, examples: list[Example], with_unlabeled: bool = False) -> Batch:
+        return collate(examples, with_unlabeled)
+
+    def step(self, opt: Adam, batch: Batch, rng: np.random.Generator | None = None) -> float:
+        a = self.args
+        return train_step(self.head, opt, batch, a.loss, a.hidden_loss, a.dropout, rng)
+
+    def agreement(self, batches: list[Batch], steps: int = 1) -> list[float]:
+        return [np_agreement(self.head, batches)]
+
+    def to_head_weights(self) -> list[tuple[str, mx.array]]:
+        return self.head.to_head_weights()
+
+
 def save_checkpoint(path: str, head: NumpyHead, opt: Adam, step: int, meta: dict) -> None:
     """Parameters, optimizer state and the run's options (as JSON) in one file, atomically."""
     arrays = {f"p.{k}": v for k, v in head.params.items()}
@@ -254,15 +292,19 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
     vocab_size = model.args.vocab_size
     start_head = None
     if args.init_head:  # continue training a written head, on its own draft vocabulary
-        start_head, _ = target.load_head(args.init_head)
+        start_head, _ = load_head(target, args.init_head)
         vocab = list(start_head.config.draft_vocab)
     else:
         eos = sorted(target.tokenizer.eos_ids)
         vocab = choose_vocab(train_seqs, args.draft_vocab, vocab_size, eos)
     index = np.full(vocab_size, -1, dtype=np.int64)
     index[vocab] = np.arange(len(vocab))
-    train_ex = [e for e in (to_example(s, index) for s in train_seqs) if e is not None]
-    held_ex = [e for e in (to_example(s, index) for s in held_seqs) if e is not None]
+    layers = dataset.read_plan(work_dir)[1].feature_layers if args.fuse else []
+    if args.fuse and not layers:
+        raise TrainingError(f"{work_dir} holds no feature layers to fuse (--feature-layers)")
+    fused = bool(layers)
+    train_ex = [e for e in (to_example(s, index, fused) for s in train_seqs) if e is not None]
+    held_ex = [e for e in (to_example(s, index, fused) for s in held_seqs) if e is not None]
     answer_pairs = sum(len(e.tokens) - e.first_loss for e in train_ex)
     cov_train = coverage(train_seqs, vocab, vocab_size)
     cov_held = coverage(held_seqs, vocab, vocab_size) if held_seqs else float("nan")
@@ -271,28 +313,36 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
         f"{len(vocab)} covers {cov_train:.3f} of training labels, {cov_held:.3f} held-out"
     )
     groups = make_batches(train_ex, args.batch)
-    held_batches = [
-        collate([held_ex[i] for i in g], with_unlabeled=True)
-        for g in make_batches(held_ex, args.batch)
-    ]
     steps_per_epoch = len(groups)
     total = args.steps or max(1, math.ceil(args.epochs * steps_per_epoch))
 
     mx.random.seed(args.seed)  # fc's random init
-    head = build_head(target, vocab)
+    head = build_head(target, vocab, layers)
     if start_head is not None:
-        head.load_weights(list(tree_flatten(start_head.parameters())), strict=True)
+        # A fused head grown from a final-hidden one keeps its fusion's pass-through init.
+        head.load_weights(list(tree_flatten(start_head.parameters())), strict=not fused)
         log(f"[train] starting from the head in {args.init_head}")
     elif args.fc_init == "residual":
         sample = max(train_seqs, key=lambda s: len(s.tokens)).tokens[:256].tolist()
         factor = match_residual_scale(head, target, sample)
         log(f"[train] fc init scaled x{factor:.1f} to the last layer's input RMS")
-    trainer = NumpyHead(head, target)
+    if args.chain_steps > 1 or fused:
+        if args.dropout:
+            raise TrainingError("dropout is for the one-step trainer (no --chain-steps or --fuse)")
+        opts = ChainOptions(args.chain_steps, args.chain_decay, args.loss, args.hidden_loss)
+        trainer = ChainTrainer(head, opts, target.training_threads)
+    else:
+        trainer = NumpyTrainer(NumpyHead(head, target), args)
+    held_batches = [
+        trainer.collate([held_ex[i] for i in g], with_unlabeled=True)
+        for g in make_batches(held_ex, args.batch)
+    ]
     opt = Adam(trainer.params, args.lr, args.warmup, total, weight_decay=args.weight_decay,
                relative=args.lr_mode == "relative")  # fmt: skip
     meta = {"vocab": vocab, "total": total, "loss": args.loss, "seed": args.seed,
             "lr_mode": args.lr_mode, "hidden_loss": args.hidden_loss, "dropout": args.dropout,
-            "init_head": args.init_head}  # fmt: skip
+            "init_head": args.init_head, "chain_steps": args.chain_steps,
+            "chain_decay": args.chain_decay, "feature_layers": layers}  # fmt: skip
     step, elapsed_before = 0, 0.0
     ckpt = checkpoint_path(work_dir, args.out)
     budgeted = args.minutes > 0  # the step count may be cut to the time budget
@@ -316,16 +366,23 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
     running, pairs_seen = None, 0
 
     def measure() -> float:
-        return np_agreement(trainer, held_batches) if held_batches else float("nan")
+        return trainer.agreement(held_batches)[0] if held_batches else float("nan")
 
-    log(f"[train] step {step}/{total}  held-out agreement {measure():.4f}")
+    def measure_chain() -> str:
+        if not held_batches or args.chain_steps < 2:
+            return ""
+        per_step = trainer.agreement(held_batches, args.chain_steps)
+        return "  chain " + " ".join(f"{a:.4f}" for a in per_step)
+
+    log(f"[train] step {step}/{total}  held-out agreement {measure():.4f}{measure_chain()}")
     bar = Progress("train", total - step, "steps")
     while step < total:
         order = epoch_order(steps_per_epoch, step // steps_per_epoch, args.seed)
         members = groups[order[step % steps_per_epoch]]
-        batch = collate([train_ex[i] for i in members], with_unlabeled=args.loss != "ce")
+        # Rows whose label lies outside the draft vocabulary carry no loss, soft or hard.
+        batch = trainer.collate([train_ex[i] for i in members], with_unlabeled=False)
         rng = np.random.default_rng([args.seed, step])  # dropout masks, resumable
-        value = train_step(trainer, opt, batch, args.loss, args.hidden_loss, args.dropout, rng)
+        value = trainer.step(opt, batch, rng)
         step += 1
         pairs_seen += batch.pairs
         running = value if running is None else 0.9 * running + 0.1 * value
@@ -342,8 +399,8 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
             minutes = (time.time() - start + elapsed_before) / 60
             log(
                 f"[train] step {step}/{total}  epoch {step / steps_per_epoch:.2f}  pairs "
-                f"{pairs_seen}  loss {running:.4f}  held-out agreement {measure():.4f}  "
-                f"{minutes:.1f} min"
+                f"{pairs_seen}  loss {running:.4f}  held-out agreement {measure():.4f}"
+                f"{measure_chain()}  {minutes:.1f} min"
             )
         stop = bool(args.stop_after) and step >= args.stop_after
         if step % args.checkpoint_every == 0 or step == total or stop:
@@ -357,7 +414,7 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
     train_seconds = time.time() - start + elapsed_before
     final_acc = measure()
     head.load_weights(trainer.to_head_weights(), strict=True)
-    record = training_record(args, work_dir, train_ex, answer_pairs, vocab, cov_held)
+    record = training_record(args, work_dir, train_ex, answer_pairs, vocab, cov_held, layers)
     record.update({
         "train_minutes": round(train_seconds / 60, 2),
         "steps": total,
@@ -389,7 +446,7 @@ def generation_seconds(work_dir: str) -> float:
         return float(json.load(f).get("seconds", 0.0))
 
 
-def training_record(args, work_dir, train_ex, answer_pairs, vocab, cov_held) -> dict:
+def training_record(args, work_dir, train_ex, answer_pairs, vocab, cov_held, layers) -> dict:
     with open(os.path.join(work_dir, "prompts.json"), encoding="utf-8") as f:
         prompts_used = json.load(f)
     gen_seconds = generation_seconds(work_dir)
@@ -410,6 +467,9 @@ def training_record(args, work_dir, train_ex, answer_pairs, vocab, cov_held) -> 
         "hidden_loss": args.hidden_loss,
         "dropout": args.dropout,
         "fc_init": args.fc_init,
+        "chain_steps": args.chain_steps,
+        "chain_decay": args.chain_decay,
+        "feature_layers": layers,
         "batch_pairs": args.batch,
         "generation_minutes": round(gen_seconds / 60, 2),
     }

@@ -391,6 +391,19 @@ class Model(nn.Module):
     """A Llama-family causal LM. ``forward`` returns logits and post-final-norm hidden rows."""
 
     inner = LlamaModel  # the decoder stack (``embed_tokens``, ``layers``, ``norm``)
+    # A fused-feature draft head's streams (k: after k layers): while set, ``hidden`` and
+    # ``hidden_rows`` return them ahead of the final hidden, ``[..., (F + 1) * D]``, and
+    # ``unembed`` reads the last D columns, so every path that hands the head its rows
+    # (prefill, decode, verify, replay, shared rows) carries them at no extra cost.
+    draft_features: tuple[int, ...] = ()
+    serves_draft_features = True  # a family with its own ``hidden`` sets False
+
+    def use_draft_features(self, layers: tuple[int, ...]) -> None:
+        """Set ``draft_features`` (a plain attribute: an ``nn.Module`` would keep a tuple
+        among its parameters)."""
+        if any(not 1 <= k < len(self.layers) for k in layers):
+            raise ValueError(f"feature layers must lie in 1..{len(self.layers) - 1}: {layers}")
+        object.__setattr__(self, "draft_features", tuple(layers))
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -418,7 +431,8 @@ class Model(nn.Module):
         mask: Mask = None,
         prenorm: bool = False,
         on_layer: LayerHook | None = None,
-    ) -> mx.array:
+        features: tuple[int, ...] | None = None,
+    ) -> mx.array | tuple[mx.array, mx.array | None]:
         """Run the decoder stack over ``tokens`` (``[B, L]``); return ``[B, L, D]`` hiddens.
 
         ``mask`` defaults to causal over the cached prefix; pass an additive or boolean array
@@ -426,12 +440,29 @@ class Model(nn.Module):
         ``on_layer(i, x)`` is called with each layer's (lazy) output as soon as its graph is
         built, layer ``i``'s cache already appended: prefill evaluates and polls for a cancel
         there. An exception it raises leaves layers ``0..i`` appended and the rest untouched.
+        ``features`` (k: the residual stream after k layers, 1 <= k < L) makes it return
+        ``(hidden, streams)``, the streams concatenated ``[B, L, len(features) * D]`` (None
+        for no features): what a head fusing several layers drafts from, at no extra cost.
         """
+        wide = features is None and bool(self.draft_features)
+        if wide:
+            features = self.draft_features
+        wanted = {k - 1: j for j, k in enumerate(features or ())}
+        if any(not 0 <= i < len(self.layers) - 1 for i in wanted):
+            raise ValueError(f"feature layers must lie in 1..{len(self.layers) - 1}: {features}")
+        streams: list[mx.array | None] = [None] * len(wanted)
         x = None
         for index, x in self.layer_outputs(tokens, caches, mask):
+            if index in wanted:
+                streams[wanted[index]] = x
             if on_layer is not None:
                 on_layer(index, x)
-        return x if prenorm else self.model.norm(x)
+        h = x if prenorm else self.model.norm(x)
+        if wide:
+            return mx.concatenate([*streams, h], axis=-1)
+        if features is None:
+            return h
+        return h, (mx.concatenate(streams, axis=-1) if streams else None)
 
     def layer_outputs(
         self, tokens: mx.array, caches: list[KVCache], mask: Mask = None
@@ -502,6 +533,8 @@ class Model(nn.Module):
         x = self.embed(tokens.reshape(1, rows))
         positions = [c[0].offset for c in caches]
         tables: dict[str, RopeTables] = {}
+        wanted = {k - 1 for k in self.draft_features}
+        streams = []
         for index, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             rope = tables.get(layer.rope_group)
@@ -520,10 +553,15 @@ class Model(nn.Module):
             x = after(x, parts[0] if rows == 1 else mx.concatenate(parts, axis=2))
             # Start each layer as soon as it is built (runner.decoder.dispatch_layer says why).
             mx.async_eval(x)
-        return self.model.norm(x)[0]
+            if index in wanted:
+                streams.append(x)
+        return mx.concatenate([*streams, self.model.norm(x)], axis=-1)[0]
 
     def unembed(self, hidden: mx.array) -> mx.array:
-        """Project post-norm hidden rows to vocabulary logits."""
+        """Project post-norm hidden rows to vocabulary logits (rows carrying a fused head's
+        streams ahead of the hidden: its last D columns)."""
+        if hidden.shape[-1] != self.args.hidden_size:
+            hidden = hidden[..., -self.args.hidden_size :]
         if "_embed_t" in self:
             return product(hidden, self._embed_t)
         if self.args.tie_word_embeddings:

@@ -606,6 +606,7 @@ class Model(LlamaCausalLM):
     Gated DeltaNet layer."""
 
     inner = HybridStack
+    serves_draft_features = False  # its own ``hidden`` returns the final hidden only
 
     def prepare_weights(
         self, weights: dict[str, mx.array], sources: dict[str, str]
