@@ -25,7 +25,7 @@ from runner.heads import load_draft_head
 from runner.loader import load_model
 from runner.training_target import RunnerTarget
 from tests.test_engine import CHAT, GREEDY, complete
-from tests.test_trainer import ROOT, run_script, trainer_args, write_prompt_set
+from tests.test_trainer import ROOT, run_script, train_command, trainer_args, write_prompt_set
 
 STEPS = 3
 
@@ -192,6 +192,12 @@ def test_train_head_trains_a_fused_head_by_training_time_test(tiny_checkpoint, t
     weights = dict(tree_flatten(head.parameters()))
     streams_block = np.array(weights["fuse.proj.weight"])[:, : head.config.hidden_size]
     assert np.abs(streams_block).max() > 1e-3  # the low stream is read now
+    # Continuing it without its streams is refused, naming them.
+    proc = train_command(*trainer_args(
+        tiny_checkpoint, prompt_dir, str(tmp_path / "work"), str(tmp_path / "more"),
+        "--steps", "2", "--stage", "train", "--init-head", out, "--minutes", "0",
+    ))  # fmt: skip
+    assert proc.returncode == 1 and "fuses the streams after layers [1]" in proc.stderr
 
 
 def test_a_head_that_cannot_be_loaded_is_named_without_a_traceback(tiny_checkpoint, tmp_path):

@@ -319,8 +319,15 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
     mx.random.seed(args.seed)  # fc's random init
     head = build_head(target, vocab, layers)
     if start_head is not None:
+        started = list(start_head.config.feature_layers)
+        if started and started != list(layers):
+            raise TrainingError(
+                f"the head in {args.init_head} fuses the streams after layers {started}: "
+                f"continue it with --fuse on data recorded with --feature-layers "
+                f"{','.join(map(str, started))}"
+            )
         # A fused head grown from a final-hidden one keeps its fusion's pass-through init.
-        head.load_weights(list(tree_flatten(start_head.parameters())), strict=not fused)
+        head.load_weights(list(tree_flatten(start_head.parameters())), strict=started == layers)
         log(f"[train] starting from the head in {args.init_head}")
     elif args.fc_init == "residual":
         sample = max(train_seqs, key=lambda s: len(s.tokens)).tokens[:256].tolist()
