@@ -131,7 +131,10 @@ class MTPHead(nn.Module):
         """The block's input ``fc(concat(e, h))``. ``hidden`` is a target row (the fused
         streams for a fused-feature head) or, in a chained draft step, the head's own output
         ``[..., D]``, which takes the place of the fused streams."""
-        if "fuse" in self and hidden.shape[-1] != self.config.hidden_size:
+        width = hidden.shape[-1]
+        if width not in (self.config.hidden_size, self.feature_width):
+            raise ValueError(f"rows of width {width}; the head reads {self.feature_width}")
+        if width != self.config.hidden_size:
             hidden = self.fuse(hidden)
         e = self.pre_fc_norm_embedding(self._embed(tokens))
         h = self.pre_fc_norm_hidden(hidden)

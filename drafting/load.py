@@ -231,13 +231,17 @@ def read_sidecar(directory: str) -> Sidecar:
     weights = read_safetensors(weights_path, error=DraftHeadError)
     draft_vocab = _read_draft_vocab(weights, config, target["vocab_size"], weights_path)
     layers = config.get("feature_layers", [])
-    if not isinstance(layers, list) or not all(
-        isinstance(k, int) and not isinstance(k, bool) and 1 <= k < target["num_hidden_layers"]
-        for k in layers
+    if (
+        not isinstance(layers, list)
+        or not all(
+            isinstance(k, int) and not isinstance(k, bool) and 1 <= k < target["num_hidden_layers"]
+            for k in layers
+        )
+        or layers != sorted(set(layers))
     ):
         raise DraftHeadError(
             f"'feature_layers' must list layer counts in 1..{target['num_hidden_layers'] - 1}, "
-            f"found {layers!r}",
+            f"strictly increasing, found {layers!r}",
             config_path,
         )
     return Sidecar(

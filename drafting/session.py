@@ -43,6 +43,8 @@ class Sampler(Protocol):
 class Head(Protocol):
     """What the session needs from ``drafting.head.MTPHead``."""
 
+    feature_width: int  # the width of the target rows it reads
+
     def __call__(self, tokens: mx.array, hidden: mx.array, cache: Any) -> mx.array: ...
 
     def draft_logits(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array: ...
@@ -140,6 +142,10 @@ class DraftSession:
         rows = hiddens.reshape(-1, hiddens.shape[-1])
         if rows.shape[0] != count:
             raise ValueError(f"{count} tokens but {rows.shape[0]} hidden rows")
+        if rows.shape[-1] != self.head.feature_width:  # a fused head's rows carry its streams
+            raise ValueError(
+                f"target rows of width {rows.shape[-1]}; the head reads {self.head.feature_width}"
+            )
         if count == 0:
             return
         if position > self._frontier or position < 0:

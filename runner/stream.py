@@ -81,6 +81,7 @@ class Stream:
         self.seed: int | None = None  # the last prompt token, until it is fed
         self.loop: PlainLoop | None = None
         self._layers: Iterator | None = None  # the chunk being prefilled layer by layer
+        self._streams: list[mx.array] = []  # its fused-head streams so far
         self.session: CacheSession | None = engine.prefix.begin(req.prompt, slot.index)
         self.cached = self.session.cached
         self.spec: SpeculationSession | None = None
@@ -172,12 +173,14 @@ class Stream:
                 end = next(e for e in self._ends if e > self.position)
                 self._chunk = mx.array(self.pending[: end - self.position], dtype=mx.int32)
                 self._layers = model.layer_outputs(self._chunk[None], caches)
-                self._x = None
+                self._x, self._streams = None, []
             with blas.wide() if THREADS.wide else contextlib.nullcontext():
                 for index, x in self._layers:
                     mark = time.perf_counter()
                     mx.eval(x, caches[index].state)
                     self._x = x
+                    if index in model.draft_stream_layers:  # a fused head's stream
+                        self._streams.append(x)
                     if self.cancelled():
                         self._rewind_chunk()
                         raise Cancelled(self.position)
@@ -191,13 +194,14 @@ class Stream:
 
     def _commit_chunk(self) -> None:
         model, ids = self.engine.model, self._chunk
-        hidden = model.model.norm(self._x)
+        hidden = model.draft_rows(self._x, self._streams)
         mx.eval(hidden)
         if self.spec is not None:
             self.spec.on_commit(ids, hidden[0], self.position)
         self.position += ids.shape[0]
         self.pending = self.pending[ids.shape[0] :]
         self._layers = self._chunk = self._x = None
+        self._streams = []
 
     def _rewind_chunk(self) -> None:
         for c in self.slot.caches:  # the layers evaluated so far appended this chunk

@@ -34,6 +34,8 @@ class ScriptedHead:
     """Predicts ``predict[token]`` (default 0); records every forward as
     (draft cache offset, look-ahead ids, hidden slots), its own hiddens negative."""
 
+    feature_width = 2  # target rows [S, 0] (``target_hiddens``)
+
     def __init__(self, predict: dict[int, int]):
         self.predict = predict
         self.calls: list[tuple[int, mx.array, mx.array]] = []
@@ -77,6 +79,8 @@ def draft_kv(cache: KVCache) -> tuple[list[int], list[int]]:
 
 class Target:
     """A scripted target: next token = predict[token]; a real KVCache tracks its offset."""
+
+    feature_width = 2  # target rows [S, 0] (``target_hiddens``)
 
     def __init__(self, predict: dict[int, int]):
         self.predict = predict

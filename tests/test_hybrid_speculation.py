@@ -50,6 +50,10 @@ class ScriptedHead(nn.Module):
         self.vocab = vocab
         self.script: mx.array = mx.zeros((1,), dtype=mx.int32)
 
+    @property
+    def feature_width(self) -> int:
+        return self.config.hidden_size
+
     def set_script(self, table: list[int]) -> None:
         self.script = mx.array(table, dtype=mx.int32)
 

@@ -273,10 +273,11 @@ def test_left_padded_generation_records_the_streams_a_lone_sequence_has(tiny_che
         assert np.abs(np.array(h[0]) - s.hiddens.astype(np.float32)).max() < 1e-2
 
 
-def test_a_fused_head_serves_shared_forwards_as_alone(tiny_checkpoint, tmp_path):
-    """Several streams decoding in shared forwards (``hidden_rows``, wide rows) with a fused
-    head: each gives its tokens alone, and a stream left on its own speculates again from
-    the rows the shared forwards handed its draft cache."""
+def test_a_fused_head_serves_shared_forwards_as_alone(tiny_checkpoint, tmp_path, caplog):
+    """Several streams decoding in shared forwards (``hidden_rows``, wide rows) while the
+    later prompts prefill layer by layer between them, with a fused head: each gives its
+    tokens alone, no draft session drops its head (rows of the wrong width would), and a
+    stream left on its own speculates again from the rows the shared forwards handed it."""
     from tests.test_batch import alone, together
 
     out = str(tmp_path / "fused")
@@ -288,14 +289,31 @@ def test_a_fused_head_serves_shared_forwards_as_alone(tiny_checkpoint, tmp_path)
     reqs = [
         Completion(
             id=f"r{i}",
-            tokens=[5 + i, 17, 33 + 3 * i],
+            tokens=[5 + i, 17] + [(7 * j + i) % 250 for j in range(40 * i)],
             options=Options(temperature=0, num_predict=8 + 6 * i),
         )  # fmt: skip
         for i in range(3)
     ]
-    expected = {r.id: alone(engine, r).ids for r in reqs}
+    # Together first, on an empty prefix cache: the later prompts prefill between forwards.
     outs, scheduler = together(engine, reqs)
+    assert not [r for r in caplog.records if "draft head failed" in r.getMessage()]
+    expected = {r.id: alone(engine, r).ids for r in reqs}
     assert scheduler.shared_steps > 0
     for r in reqs:
         assert outs[r.id].ids == expected[r.id]
     assert outs["r2"].done.speculation.rounds > 0  # the longest ends alone, speculating
+
+
+def test_resuming_with_other_options_names_them_before_loading(tiny_checkpoint, tmp_path):
+    """A checkpoint of the chain trainer resumed with the one-step trainer (whose parameters
+    have other names): refused with the differing options named, no traceback."""
+    prompt_dir = write_prompt_set(tmp_path / "prompts")
+    work, out = str(tmp_path / "work"), str(tmp_path / "head")
+    base = trainer_args(tiny_checkpoint, prompt_dir, work, out, "--steps", "6", "--minutes", "0")
+    run_script(*base, "--stop-after", "3")
+    proc = train_command(*base, "--resume", "--chain-steps", "1", "--stage", "train")
+    assert proc.returncode == 1, proc.stderr
+    assert "other training options (chain_steps); drop --resume" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    log = run_script(*base, "--resume", "--stage", "train")
+    assert "resumed at step 3/6" in log

@@ -176,7 +176,8 @@ def heldout_answers(cfg: EvalConfig, target: Target, layers: tuple[int, ...] = (
     settings = _settings(
         cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p, layers
     )
-    work_dir = cfg.work_dir + "".join(f"-{k}" for k in layers) if layers else cfg.work_dir
+    work_dir = os.path.normpath(cfg.work_dir)
+    work_dir += "".join(f"-{k}" for k in layers)  # streams cached apart
     dataset.prepare_plan(work_dir, jobs, settings)
     seconds = run_generation(work_dir, target)
     seqs = dataset.load_sequences(work_dir)

@@ -72,7 +72,10 @@ def to_example(
     rows = seq.hiddens[:n]
     if fused:
         if seq.features is None:
-            raise TrainingError("a fused-feature head needs data generated with feature layers")
+            raise TrainingError(
+                f"the answer to prompt {seq.prompt_index} has no recorded streams: a fused-feature "
+                "head needs data generated with --fuse or --feature-layers"
+            )
         rows = np.concatenate([seq.features[:n], rows], axis=1)
     return Example(
         tokens=seq.tokens[1 : n + 1].astype(np.int32),
@@ -270,6 +273,15 @@ def save_checkpoint(path: str, head: NumpyHead, opt: Adam, step: int, meta: dict
     os.replace(tmp, path)
 
 
+# Options checkpoints record since a later version, with the value older ones trained with.
+RECORDED_LATER = {"chain_steps": 1, "chain_decay": 0.8, "feature_layers": []}
+
+
+def checkpoint_meta(path: str) -> dict:
+    with np.load(path) as z:
+        return json.loads(str(z["meta"]))
+
+
 def load_checkpoint(path: str, head: NumpyHead, opt: Adam) -> dict:
     with np.load(path) as z:
         head.params = {k[2:]: z[k] for k in z.files if k.startswith("p.")}
@@ -354,10 +366,17 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
     ckpt = checkpoint_path(work_dir, args.out)
     budgeted = args.minutes > 0  # the step count may be cut to the time budget
     if args.resume and os.path.exists(ckpt):
-        saved = load_checkpoint(ckpt, trainer, opt)
-        same = [k for k in meta if not (budgeted and k == "total")]
-        if any(saved.get(k) != meta[k] for k in same):
-            raise TrainingError("the checkpoint was made with other training options; drop resume")
+        saved = checkpoint_meta(ckpt)
+        differ = [
+            k for k in meta
+            if not (budgeted and k == "total") and saved.get(k, RECORDED_LATER.get(k)) != meta[k]
+        ]  # fmt: skip
+        if differ:  # checked before loading: the trainers name their parameters differently
+            raise TrainingError(
+                f"the checkpoint {ckpt} was made with other training options "
+                f"({', '.join(differ)}); drop --resume"
+            )
+        load_checkpoint(ckpt, trainer, opt)
         step, elapsed_before = saved["step"], saved.get("train_seconds", 0.0)
         if budgeted and saved.get("total"):
             total = opt.total = meta["total"] = int(saved["total"])
@@ -372,16 +391,20 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
     first_step = step
     running, pairs_seen = None, 0
 
-    def measure() -> float:
-        return trainer.agreement(held_batches)[0] if held_batches else float("nan")
+    def measure() -> list[float]:
+        """Held-out agreement per chain step (one pass: step 1's is the first)."""
+        if not held_batches:
+            return [float("nan")]
+        return trainer.agreement(held_batches, args.chain_steps)
 
-    def measure_chain() -> str:
-        if not held_batches or args.chain_steps < 2:
-            return ""
-        per_step = trainer.agreement(held_batches, args.chain_steps)
-        return "  chain " + " ".join(f"{a:.4f}" for a in per_step)
+    def described(values: list[float]) -> str:
+        chain = "  chain " + " ".join(f"{a:.4f}" for a in values) if len(values) > 1 else ""
+        return f"held-out agreement {values[0]:.4f}{chain}"
 
-    log(f"[train] step {step}/{total}  held-out agreement {measure():.4f}{measure_chain()}")
+    eval_start = time.time()
+    log(f"[train] step {step}/{total}  {described(measure())}")
+    eval_s = time.time() - eval_start  # what each held-out pass adds to the budget's steps
+    probe_start = time.time()
     bar = Progress("train", total - step, "steps")
     while step < total:
         order = epoch_order(steps_per_epoch, step // steps_per_epoch, args.seed)
@@ -397,7 +420,8 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
         bar.update(1, f"loss {running:.4f}")
         if left is not None and step - first_step == BUDGET_PROBE_STEPS:
             # Still inside the warmup, so the schedule is unchanged so far.
-            per_step = (time.time() - start) / BUDGET_PROBE_STEPS
+            per_step = (time.time() - probe_start) / BUDGET_PROBE_STEPS
+            per_step += eval_s / args.eval_every
             fits = step + int(max(left - (time.time() - start), 0.0) / per_step)
             if fits < total:
                 log(f"[train] the time budget fits {fits} of {total} steps ({per_step:.2f} s each)")
@@ -406,8 +430,7 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
             minutes = (time.time() - start + elapsed_before) / 60
             log(
                 f"[train] step {step}/{total}  epoch {step / steps_per_epoch:.2f}  pairs "
-                f"{pairs_seen}  loss {running:.4f}  held-out agreement {measure():.4f}"
-                f"{measure_chain()}  {minutes:.1f} min"
+                f"{pairs_seen}  loss {running:.4f}  {described(measure())}  {minutes:.1f} min"
             )
         stop = bool(args.stop_after) and step >= args.stop_after
         if step % args.checkpoint_every == 0 or step == total or stop:
@@ -419,7 +442,7 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
             return None
     bar.close()
     train_seconds = time.time() - start + elapsed_before
-    final_acc = measure()
+    final_acc = measure()[0]
     head.load_weights(trainer.to_head_weights(), strict=True)
     record = training_record(args, work_dir, train_ex, answer_pairs, vocab, cov_held, layers)
     record.update({

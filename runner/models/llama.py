@@ -400,10 +400,23 @@ class Model(nn.Module):
 
     def use_draft_features(self, layers: tuple[int, ...]) -> None:
         """Set ``draft_features`` (a plain attribute: an ``nn.Module`` would keep a tuple
-        among its parameters)."""
-        if any(not 1 <= k < len(self.layers) for k in layers):
-            raise ValueError(f"feature layers must lie in 1..{len(self.layers) - 1}: {layers}")
+        among its parameters); strictly increasing, as the streams are kept in layer order."""
+        top = len(self.layers) - 1
+        if any(not 1 <= k <= top for k in layers) or list(layers) != sorted(set(layers)):
+            raise ValueError(f"feature layers must increase strictly within 1..{top}: {layers}")
         object.__setattr__(self, "draft_features", tuple(layers))
+
+    @property
+    def draft_stream_layers(self) -> frozenset[int]:
+        """The layer indices whose outputs are a fused head's streams."""
+        return frozenset(k - 1 for k in self.draft_features)
+
+    def draft_rows(self, x: mx.array, streams: list[mx.array]) -> mx.array:
+        """What a forward hands the draft head: the post-norm hidden of the last layer's
+        output ``x``, the streams (the ``draft_stream_layers`` outputs, in layer order) ahead
+        of it. Every forward builds its rows here, so none can hand the head other rows."""
+        h = self.model.norm(x)
+        return mx.concatenate([*streams, h], axis=-1) if streams else h
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -457,6 +470,8 @@ class Model(nn.Module):
                 streams[wanted[index]] = x
             if on_layer is not None:
                 on_layer(index, x)
+        if wide and not prenorm:
+            return self.draft_rows(x, streams)
         h = x if prenorm else self.model.norm(x)
         if wide:
             return mx.concatenate([*streams, h], axis=-1)
@@ -533,7 +548,7 @@ class Model(nn.Module):
         x = self.embed(tokens.reshape(1, rows))
         positions = [c[0].offset for c in caches]
         tables: dict[str, RopeTables] = {}
-        wanted = {k - 1 for k in self.draft_features}
+        wanted = self.draft_stream_layers
         streams = []
         for index, layer in enumerate(self.model.layers):
             attn = layer.self_attn
@@ -555,7 +570,7 @@ class Model(nn.Module):
             mx.async_eval(x)
             if index in wanted:
                 streams.append(x)
-        return mx.concatenate([*streams, self.model.norm(x)], axis=-1)[0]
+        return self.draft_rows(x, streams)[0]
 
     def unembed(self, hidden: mx.array) -> mx.array:
         """Project post-norm hidden rows to vocabulary logits (rows carrying a fused head's
