@@ -426,6 +426,7 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
             if fits < total:
                 log(f"[train] the time budget fits {fits} of {total} steps ({per_step:.2f} s each)")
                 total = opt.total = meta["total"] = max(fits, step)
+                bar.total = float(total - first_step)  # the bar's ETA follows the cut
         if step % args.eval_every == 0 or step == total:
             minutes = (time.time() - start + elapsed_before) / 60
             log(
