@@ -396,6 +396,7 @@ class Model(nn.Module):
     # ``unembed`` reads the last D columns, so every path that hands the head its rows
     # (prefill, decode, verify, replay, shared rows) carries them at no extra cost.
     draft_features: tuple[int, ...] = ()
+    draft_stream_layers: frozenset[int] = frozenset()  # their layer indices (k - 1)
     serves_draft_features = True  # a family with its own ``hidden`` sets False
 
     def use_draft_features(self, layers: tuple[int, ...]) -> None:
@@ -405,11 +406,7 @@ class Model(nn.Module):
         if any(not 1 <= k <= top for k in layers) or list(layers) != sorted(set(layers)):
             raise ValueError(f"feature layers must increase strictly within 1..{top}: {layers}")
         object.__setattr__(self, "draft_features", tuple(layers))
-
-    @property
-    def draft_stream_layers(self) -> frozenset[int]:
-        """The layer indices whose outputs are a fused head's streams."""
-        return frozenset(k - 1 for k in self.draft_features)
+        object.__setattr__(self, "draft_stream_layers", frozenset(k - 1 for k in layers))
 
     def draft_rows(self, x: mx.array, streams: list[mx.array]) -> mx.array:
         """What a forward hands the draft head: the post-norm hidden of the last layer's
@@ -457,12 +454,11 @@ class Model(nn.Module):
         ``(hidden, streams)``, the streams concatenated ``[B, L, len(features) * D]`` (None
         for no features): what a head fusing several layers drafts from, at no extra cost.
         """
-        wide = features is None and bool(self.draft_features)
-        if wide:
-            features = self.draft_features
-        wanted = {k - 1: j for j, k in enumerate(features or ())}
-        if any(not 0 <= i < len(self.layers) - 1 for i in wanted):
+        wide = features is None and bool(self.draft_features)  # validated when set
+        layers = self.draft_features if wide else (features or ())
+        if not wide and any(not 1 <= k < len(self.layers) for k in layers):
             raise ValueError(f"feature layers must lie in 1..{len(self.layers) - 1}: {features}")
+        wanted = {k - 1: j for j, k in enumerate(layers)}
         streams: list[mx.array | None] = [None] * len(wanted)
         x = None
         for index, x in self.layer_outputs(tokens, caches, mask):
@@ -470,11 +466,11 @@ class Model(nn.Module):
                 streams[wanted[index]] = x
             if on_layer is not None:
                 on_layer(index, x)
-        if wide and not prenorm:
-            return self.draft_rows(x, streams)
-        h = x if prenorm else self.model.norm(x)
         if wide:
-            return mx.concatenate([*streams, h], axis=-1)
+            return (
+                mx.concatenate([*streams, x], axis=-1) if prenorm else self.draft_rows(x, streams)
+            )
+        h = x if prenorm else self.model.norm(x)
         if features is None:
             return h
         return h, (mx.concatenate(streams, axis=-1) if streams else None)
