@@ -159,7 +159,8 @@ def test_restoring_a_boundary_state_equals_feeding_only_the_prefix():
     for c in caches:
         c.rewind(24)
     got = last_logits(model, caches, prompt[24:26])
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    # The feeds chunk the prompt differently from ``want``'s: float32 rounding apart.
+    np.testing.assert_allclose(got, want, atol=ATOL / 2)
     # Move on along another continuation, then restore the snapshots taken at 24.
     model.forward(mx.array([other]), caches)
     assert not any(c.can_rewind(24) for c in recurrent(caches))
@@ -167,7 +168,7 @@ def test_restoring_a_boundary_state_equals_feeding_only_the_prefix():
         assert c.can_restore(snap)
         c.restore(snap)
     assert {c.offset for c in caches} == {24}
-    np.testing.assert_allclose(last_logits(model, caches, prompt[24:26]), want, atol=1e-5)
+    np.testing.assert_allclose(last_logits(model, caches, prompt[24:26]), want, atol=ATOL / 2)
 
 
 def test_rewinding_where_no_state_is_kept_is_a_clear_error():

@@ -4,6 +4,7 @@ through every forward of the runner."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -317,3 +318,40 @@ def test_resuming_with_other_options_names_them_before_loading(tiny_checkpoint, 
     assert "Traceback" not in proc.stderr
     log = run_script(*base, "--resume", "--stage", "train")
     assert "resumed at step 3/6" in log
+
+
+def test_generation_adds_prompts_while_its_share_of_the_budget_has_time(tiny_checkpoint, tmp_path):
+    """The held-out timing (one small batch) can undersell the training batches: once the
+    planned batches ran, prompts are added at the rate they ran while the generation share
+    has a batch's time left, the batches made stay, and the count is recorded for reruns.
+    With the share spent, nothing is added."""
+    from drafting.training.config import TrainConfig
+    from drafting.training.run import generate as generate_answers
+
+    target = RunnerTarget(tiny_checkpoint, tune=False)
+    prompt_dir = write_prompt_set(tmp_path / "prompts")
+    work = str(tmp_path / "work")
+    cfg = TrainConfig(target=tiny_checkpoint, out=str(tmp_path / "head"), work_dir=work,
+                      prompts_dir=prompt_dir, template="chatml", max_new_tokens=6,
+                      gen_batch=2, minutes=30.0, temperatures=(0.0, 0.7))  # fmt: skip
+    os.makedirs(work)
+    with open(os.path.join(work, "budget.json"), "w") as f:  # as if the timing said 1
+        json.dump({"minutes": 30.0, "answers_per_second": 0.001, "prompts": 1}, f)
+    generate_answers(cfg, target)
+    with open(os.path.join(work, "budget.json")) as f:
+        budget = json.load(f)
+    batches, _ = dataset.read_plan(work)
+    train_jobs = [j for b in batches for j in b if not j.heldout]
+    assert budget["prompts"] == 7 and budget["topped_up_at"] > 0  # the whole training set
+    assert len(train_jobs) == 7 * 2 and len({j.prompt_index for j in train_jobs}) == 7
+    assert len(dataset.load_sequences(work)) == len(train_jobs) + 2  # every batch generated
+
+    spent = str(tmp_path / "spent")
+    os.makedirs(spent)
+    with open(os.path.join(spent, "budget.json"), "w") as f:
+        json.dump({"minutes": 30.0, "answers_per_second": 0.001, "prompts": 1}, f)
+    dataset.add_generation_seconds(spent, 0.6 * 30 * 60)  # the share is gone
+    generate_answers(dataclasses.replace(cfg, work_dir=spent), target)
+    with open(os.path.join(spent, "budget.json")) as f:
+        assert json.load(f)["prompts"] == 1
+    assert sum(not j.heldout for b in dataset.read_plan(spent)[0] for j in b) == 2

@@ -63,7 +63,9 @@ def train_parser() -> argparse.ArgumentParser:
                    help=f"chat template: model (the target's own, the default), "
                    f"{', '.join(CHAT_TEMPLATES)} or a format string "
                    "containing {prompt}")  # fmt: skip
-    g.add_argument("--max-per-template", type=int, default=d.max_per_template)
+    g.add_argument("--max-per-template", type=int, default=d.max_per_template,
+                   help="prompts per slot template at most (the budget takes what fits, "
+                   "round-robin across templates)")  # fmt: skip
     g.add_argument("--minutes", type=float, default=d.minutes,
                    help="time budget of the whole run, generation included: the training "
                    "prompts and steps are what fits (default 180; 0: no budget)")  # fmt: skip

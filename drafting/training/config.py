@@ -29,7 +29,7 @@ class TrainConfig:
     # "model" (the target's own chat template), a name in prompts.CHAT_TEMPLATES, or a format
     # string containing {prompt}
     template: str = "model"
-    max_per_template: int = 30
+    max_per_template: int = 60
     # The whole run's time budget, generation included: the held-out answers (generated first)
     # time the target, the training prompts are as many as GEN_SHARE of it allows, and the
     # training steps stop where it ends. 0: no budget (max_prompts and epochs decide alone).
@@ -40,7 +40,7 @@ class TrainConfig:
     top_k: int = 40
     top_p: float = 0.9
     max_new_tokens: int = 128
-    gen_batch: int = 48
+    gen_batch: int = 96
     gen_workers: int = 1
     seed: int = 0
     # Residual streams recorded for a fused-feature head: auto, none or "k1,k2" (layer counts);

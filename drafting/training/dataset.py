@@ -103,6 +103,15 @@ def add_generation_seconds(work_dir: str, seconds: float) -> None:
     os.replace(tmp, stats_path)
 
 
+def generation_seconds(work_dir: str) -> float:
+    """The time generation has taken in ``work_dir`` so far (``gen_stats.json``)."""
+    stats_path = os.path.join(work_dir, "gen_stats.json")
+    if not os.path.exists(stats_path):
+        return 0.0
+    with open(stats_path, encoding="utf-8") as f:
+        return float(json.load(f).get("seconds", 0.0))
+
+
 def batch_path(work_dir: str, index: int) -> str:
     return os.path.join(work_dir, f"gen-{index:05d}.npz")
 

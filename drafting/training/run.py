@@ -48,13 +48,16 @@ def prompt_ids(template: str, text: str, target: Target) -> list[int]:
     return target.tokenizer.encode(rendered, add_bos=False)
 
 
+def load_prompts(cfg: TrainConfig) -> list[prompts.Prompt]:
+    return prompts.load_prompt_set(cfg.prompts_dir, cfg.max_per_template, cfg.seed)
+
+
 def build_jobs(
     cfg: TrainConfig, target: Target, max_prompts: int | None = None
 ) -> tuple[list[dataset.Job], dict]:
     """The generation jobs and the record of which prompts and templates they use
     (``max_prompts``: the training prompts at most, by default ``cfg.max_prompts``)."""
-    all_prompts = prompts.load_prompt_set(cfg.prompts_dir, cfg.max_per_template, cfg.seed)
-    train, heldout = prompts.split_prompts(all_prompts)
+    train, heldout = prompts.split_prompts(load_prompts(cfg))
     train = select_prompts(train, cfg.max_prompts if max_prompts is None else max_prompts)
     heldout = select_prompts(heldout, cfg.max_heldout)
     jobs = []
@@ -127,27 +130,68 @@ def budget_prompts(cfg: TrainConfig, target: Target, settings) -> int:
     return count
 
 
+def topped_up_prompts(cfg: TrainConfig, planned: int, answers: int, seconds: float) -> int:
+    """The training prompts once the planned batches have run: ``planned``, or more when
+    the generation share of the budget has at least a batch's time left at the rate those
+    batches ran (the held-out timing, one small batch, undersells a larger ``gen_batch``);
+    at most the prompt set (and ``cfg.max_prompts``). Recorded in ``budget.json``, so a
+    rerun plans the same prompts."""
+    available = len(prompts.split_prompts(load_prompts(cfg))[0])
+    if cfg.max_prompts > 0:
+        available = min(available, cfg.max_prompts)
+    if answers <= 0 or seconds <= 0 or planned >= available:
+        return planned
+    rate = answers / seconds
+    left = GEN_SHARE * cfg.minutes * 60 - dataset.generation_seconds(cfg.work_dir)
+    extra = int(left * rate / len(cfg.temperatures))
+    if extra * len(cfg.temperatures) < cfg.gen_batch:
+        return planned
+    count = min(planned + extra, available)
+    log(
+        f"[gen] the training batches ran at {rate:.2f} answers/s: {count - planned} more "
+        f"prompts fit the generation share ({count} in all)"
+    )
+    path = os.path.join(cfg.work_dir, "budget.json")
+    with open(path, encoding="utf-8") as f:
+        budget = json.load(f)
+    budget.update(prompts=count, topped_up_at=rate)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(budget, f)
+    return count
+
+
 def generate(cfg: TrainConfig, target: Target) -> dict:
-    """Fill the work dir with the target's answers to the training and held-out prompts."""
+    """Fill the work dir with the target's answers to the training and held-out prompts;
+    with a time budget, prompts are added while the generation share has time left."""
     spec = cfg.feature_layers or ("auto" if cfg.fuse else "none")
     layers = feature_layers(spec, target.model.args.num_hidden_layers)
     settings = _settings(
         cfg.target, cfg.max_new_tokens, cfg.gen_batch, cfg.top_k, cfg.seed, cfg.top_p, layers
     )
     count = budget_prompts(cfg, target, settings) if cfg.minutes > 0 else None
-    jobs, record = build_jobs(cfg, target, max_prompts=count)
-    batches = dataset.prepare_plan(cfg.work_dir, jobs, settings)
-    with open(os.path.join(cfg.work_dir, "prompts.json"), "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
-    have = dataset.cached_batches(cfg.work_dir)
-    log(
-        f"[gen] {record['train']['prompts']} training prompts from "
-        f"{record['train']['templates']} templates, {record['heldout']['prompts']} held-out; "
-        f"{len(jobs)} answers in {len(batches)} batches ({have} cached)"
-    )
-    seconds = run_generation(cfg.work_dir, target)
-    log(f"[gen] done in {seconds / 60:.1f} min")
-    return record
+    while True:
+        jobs, record = build_jobs(cfg, target, max_prompts=count)
+        batches = dataset.prepare_plan(cfg.work_dir, jobs, settings)
+        with open(os.path.join(cfg.work_dir, "prompts.json"), "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        have = dataset.cached_batches(cfg.work_dir)
+        log(
+            f"[gen] {record['train']['prompts']} training prompts from "
+            f"{record['train']['templates']} templates, {record['heldout']['prompts']} held-out; "
+            f"{len(jobs)} answers in {len(batches)} batches ({have} cached)"
+        )
+        missing = sum(
+            len(b) for i, b in enumerate(batches)
+            if not os.path.exists(dataset.batch_path(cfg.work_dir, i))
+        )  # fmt: skip
+        seconds = run_generation(cfg.work_dir, target)
+        log(f"[gen] done in {seconds / 60:.1f} min")
+        if count is None:
+            return record
+        more = topped_up_prompts(cfg, count, missing, seconds)
+        if more == count:
+            return record
+        count = more
 
 
 def train_head(cfg: TrainConfig, load_target: LoadTarget) -> dict | None:

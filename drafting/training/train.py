@@ -384,7 +384,7 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
     # Seconds the budget leaves for training: what generation and loading did not take.
     left = None
     if budgeted:
-        left = args.minutes * 60 - generation_seconds(work_dir) - (time.time() - t0)
+        left = args.minutes * 60 - dataset.generation_seconds(work_dir) - (time.time() - t0)
         left -= elapsed_before
     history = []
     start = time.time()
@@ -469,18 +469,10 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
     return record
 
 
-def generation_seconds(work_dir: str) -> float:
-    stats_path = os.path.join(work_dir, "gen_stats.json")
-    if not os.path.exists(stats_path):
-        return 0.0
-    with open(stats_path, encoding="utf-8") as f:
-        return float(json.load(f).get("seconds", 0.0))
-
-
 def training_record(args, work_dir, train_ex, answer_pairs, vocab, cov_held, layers) -> dict:
     with open(os.path.join(work_dir, "prompts.json"), encoding="utf-8") as f:
         prompts_used = json.load(f)
-    gen_seconds = generation_seconds(work_dir)
+    gen_seconds = dataset.generation_seconds(work_dir)
     return {
         "minutes_budget": args.minutes or None,
         "pairs": int(answer_pairs),
