@@ -279,8 +279,16 @@ class PrefixCache:
         node = ends.get(t)
         return node is not None and node.snapshots and cache.can_restore(node.snapshots[i])
 
-    def _pin(self, at: _Slot, path: list[Node], points: list[int], cached: int, matched: int,
-             length: int, resume: Sequence[int] = ()):  # fmt: skip
+    def _pin(
+        self,
+        at: _Slot,
+        path: list[Node],
+        points: list[int],
+        cached: int,
+        matched: int,
+        length: int,
+        resume: Sequence[int] = (),
+    ):
         """Ask windowed caches to keep their window where ``close`` may put node boundaries:
         the snapshot points, where the prompt leaves the trie (a split) and the ends of the
         matched nodes past the restore point (their windows get refreshed).
@@ -295,8 +303,11 @@ class PrefixCache:
             return
         pre_turn = length - PRE_TURN - (1 if self.pair_keys else 0)
         held = {n.end for n in at.live}  # a node already keeps the window there
-        first = [p for p in (*resume, pre_turn, matched) if 0 < p <= length and p not in held
-                 and (cached < p < length or p in resume)]  # fmt: skip
+        first = [
+            p
+            for p in (*resume, pre_turn, matched)
+            if 0 < p <= length and p not in held and (cached < p < length or p in resume)
+        ]
         rest = set(points) | {n.end for n in path if cached < n.end <= matched}
         order = list(dict.fromkeys([*first, *sorted(rest - set(first), reverse=True)]))
         share = self.budget_bytes // len(windowed)

@@ -161,9 +161,16 @@ def load_head_weights(
         return w.astype(mx.float32) + 1.0 if norm_shift and _is_norm(name) else w
 
     check_and_load(
-        head, mapped, path=path, dtype=dtype, file_name=file_name, transform=shift,
-        refuse_extras=True, floats_only=True, error=DraftHeadError,
-    )  # fmt: skip
+        head,
+        mapped,
+        path=path,
+        dtype=dtype,
+        file_name=file_name,
+        transform=shift,
+        refuse_extras=True,
+        floats_only=True,
+        error=DraftHeadError,
+    )
 
 
 @dataclass
@@ -267,20 +274,22 @@ def _read_draft_vocab(
         if declared is not None:
             raise DraftHeadError(
                 f"config declares draft_vocab_size {declared} but the tensor is absent",
-                path, DRAFT_VOCAB_TENSOR,
-            )  # fmt: skip
+                path,
+                DRAFT_VOCAB_TENSOR,
+            )
         return None
     if ids.ndim != 1 or not mx.issubdtype(ids.dtype, mx.integer):
         raise DraftHeadError(
-            f"draft vocabulary must be a 1-D integer tensor, found {ids.dtype} "
-            f"{tuple(ids.shape)}",
-            path, DRAFT_VOCAB_TENSOR,
-        )  # fmt: skip
+            f"draft vocabulary must be a 1-D integer tensor, found {ids.dtype} {tuple(ids.shape)}",
+            path,
+            DRAFT_VOCAB_TENSOR,
+        )
     if declared is not None and declared != ids.shape[0]:
         raise DraftHeadError(
             f"draft vocabulary has {ids.shape[0]} ids, config says {declared}",
-            path, DRAFT_VOCAB_TENSOR,
-        )  # fmt: skip
+            path,
+            DRAFT_VOCAB_TENSOR,
+        )
     values = ids.tolist()
     if values and (min(values) < 0 or max(values) >= vocab_size):
         raise DraftHeadError(

@@ -143,9 +143,14 @@ class SpeculationSession:
             depth = self.owner.depth.session(speculative=speculate)
         ops = MlxRoundOps(model, caches, self.draft, sampler, logprobs, constraint)
         driver = RoundDriver(
-            ops, emit, cancelled, depth=depth, budget=budget, stats=self.stats,
+            ops,
+            emit,
+            cancelled,
+            depth=depth,
+            budget=budget,
+            stats=self.stats,
             ledger=loop.ledger,
-        )  # fmt: skip
+        )
         return Decoding(loop, cur, cancelled, driver, logprobs, session=self)
 
     def decode(self, loop: PlainLoop, seed: int, cancelled: Callable[[], bool], **kwargs):

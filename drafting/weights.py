@@ -191,8 +191,10 @@ def quantized_modules(
         if scales.dtype == mx.uint8:
             raise fail(
                 "uint8 scales (an mxfp4 / nvfp4 / mxfp8 layout): only affine quantization is "
-                "implemented", name, UnsupportedArchitecture,
-            )  # fmt: skip
+                "implemented",
+                name,
+                UnsupportedArchitecture,
+            )
         if not mx.issubdtype(scales.dtype, mx.floating):
             raise fail(f"quantization scales must be floating-point, found {scales.dtype}", name)
         if packed.dtype != mx.uint32:
@@ -202,13 +204,16 @@ def quantized_modules(
         if packed.ndim < 2 or scales.shape[:-1] != packed.shape[:-1]:
             raise fail(
                 f"scales {tuple(scales.shape)} do not match the packed weight "
-                f"{tuple(packed.shape)}", name, TensorShapeMismatch,
-            )  # fmt: skip
+                f"{tuple(packed.shape)}",
+                name,
+                TensorShapeMismatch,
+            )
         if biases.shape != scales.shape:
             raise fail(
                 f"biases {tuple(biases.shape)} do not match the scales {tuple(scales.shape)}",
-                base + ".biases", TensorShapeMismatch,
-            )  # fmt: skip
+                base + ".biases",
+                TensorShapeMismatch,
+            )
         named = quantization.layers.get(base)
         spec = named or quantization.default
         width, groups = packed.shape[-1] * 32, scales.shape[-1]
@@ -226,13 +231,15 @@ def quantized_modules(
             raise fail(
                 f"packed weight {tuple(packed.shape)} with scales {tuple(scales.shape)} is not "
                 f"{described} affine quantization" + (f" ({quantization.key})" if named else ""),
-                base + ".weight", TensorShapeMismatch,
-            )  # fmt: skip
+                base + ".weight",
+                TensorShapeMismatch,
+            )
         if in_dim is not None and stored_in != in_dim:
             raise fail(
                 f"{described} quantization holds {stored_in} inputs, the model expects {in_dim}",
-                base + ".weight", TensorShapeMismatch,
-            )  # fmt: skip
+                base + ".weight",
+                TensorShapeMismatch,
+            )
         out[base] = (group_size, bits)
     return out
 

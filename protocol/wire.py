@@ -110,9 +110,11 @@ def _explain_malformed(line: bytes, message: str) -> str:
         unit = int(match[1], 16)
         after = line[match.end() : match.end() + 6]
         low_follows = (
-            len(after) == 6 and after[:2] in (b"\\u", b"\\U") and after[2:3] in b"dD"
+            len(after) == 6
+            and after[:2] in (b"\\u", b"\\U")
+            and after[2:3] in b"dD"
             and after[3:4] in b"cCdDeEfF"
-        )  # fmt: skip
+        )
         if unit >= 0xDC00 or not low_follows:
             kind = "low" if unit >= 0xDC00 else "high"
             return (

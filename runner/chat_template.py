@@ -21,8 +21,15 @@ from typing import Any
 # Names a message's reasoning may come under: templates read reasoning_content, gpt-oss ones
 # thinking (as transformers aliases them).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-            "mask_token")  # fmt: skip
+_SPECIAL = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class TemplateError(ValueError):
@@ -71,9 +78,12 @@ class ChatTemplate:
         kwargs = {**self.special_tokens, **(template_kwargs or {})}
         try:
             return self._compiled[name].render(
-                messages=chat, tools=tools, documents=None,
-                add_generation_prompt=add_generation_prompt, **kwargs,
-            )  # fmt: skip
+                messages=chat,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
         except jinja2.TemplateError as exc:
             raise TemplateError(str(exc) or type(exc).__name__) from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
@@ -155,9 +165,11 @@ def _environment():
     )
     env.filters["tojson"] = tojson
     env.globals.update(
-        raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
+        raise_exception=raise_exception,
+        strftime_now=strftime_now,
+        dict=TemplateDict(),
         namespace=TemplateNamespace,
-    )  # fmt: skip
+    )
     _ENV = env
     return env
 

@@ -107,19 +107,32 @@ def build_parser() -> argparse.ArgumentParser:
         "hf (as loaded); auto: panels on the CPU (packed without runner.native), hf on a GPU",
     )
     count(
-        "--queue-limit", type=positive_int, default=64,
+        "--queue-limit",
+        type=positive_int,
+        default=64,
         help="completions that may wait; more are refused (default 64)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
     )
     version = f"mtp-runner {__version__} (protocol {protocol.PROTOCOL_VERSION})"
     p.add_argument("--version", action="version", version=version)
     # Hidden benchmark knobs: the verify-row layout forced either way, blocks run eagerly.
-    p.add_argument("--row-layout", dest="row_layout", action="store_const", const=True,
-                   default=None, help=argparse.SUPPRESS)  # fmt: skip
-    p.add_argument("--no-row-layout", dest="row_layout", action="store_const", const=False,
-                   help=argparse.SUPPRESS)  # fmt: skip
+    p.add_argument(
+        "--row-layout",
+        dest="row_layout",
+        action="store_const",
+        const=True,
+        default=None,
+        help=argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--no-row-layout",
+        dest="row_layout",
+        action="store_const",
+        const=False,
+        help=argparse.SUPPRESS,
+    )
     p.add_argument("--no-compile", action="store_true", help=argparse.SUPPRESS)
     # Hidden test hooks: a model-free engine (protocol tests, benchmark) and fault injection.
     p.add_argument("--noop-model", action="store_true", help=argparse.SUPPRESS)

@@ -143,15 +143,20 @@ class Engine:
         if head is not None and head.config.feature_layers:  # rows carry the fused streams
             self.model.use_draft_features(tuple(head.config.feature_layers))
         self.tuning = device.tune(
-            self.model, head, layout=options.weight_layout, row_layout=options.row_layout,
+            self.model,
+            head,
+            layout=options.weight_layout,
+            row_layout=options.row_layout,
             compile=options.compile,
-        )  # fmt: skip
+        )
         self.speculation: Speculation | None = None
         if head is not None:
             self.speculation = Speculation(
-                head, max_depth=options.max_draft, fixed_depth=options.draft_depth,
+                head,
+                max_depth=options.max_draft,
+                fixed_depth=options.draft_depth,
                 fault_after=options.head_fault_after,
-            )  # fmt: skip
+            )
         log.info("device tuning: %s", self.tuning.describe())
         self.parallel, self.parallel_detail = self._parallel(options.parallel)
         if self.tuning.compiled:
@@ -224,9 +229,11 @@ class Engine:
         # With a draft KV, keys pair each token with the next so every restore point is
         # valid for the draft cache too (its slot S depends on token S+1).
         return PrefixCache(
-            self.all_caches, budget, pair_keys=self.draft_cache is not None,
+            self.all_caches,
+            budget,
+            pair_keys=self.draft_cache is not None,
             enabled=self.options.prefix_cache and not self.feed_dependent,
-        )  # fmt: skip
+        )
 
     # ----------------------------------------------------------------- any thread
     def tokenize(self, text: str) -> list[int]:
@@ -251,10 +258,11 @@ class Engine:
             )
         try:
             text = template.render(
-                request.messages, tools=request.tools,
+                request.messages,
+                tools=request.tools,
                 add_generation_prompt=request.add_generation_prompt,
                 template_kwargs=request.template_kwargs,
-            )  # fmt: skip
+            )
         except TemplateError as exc:
             message = f"messages: the chat template refused them: {exc}"
             raise RequestError(BAD_REQUEST, message) from None
@@ -288,8 +296,9 @@ class Engine:
         if at_least is not None and at_least >= ctx:
             raise self._overflow(
                 f"prompt is at least {at_least} tokens ({len(request.prompt.encode())} bytes, "
-                f"at most {self.tokenizer.max_token_bytes} per token)", ctx,
-            )  # fmt: skip
+                f"at most {self.tokenizer.max_token_bytes} per token)",
+                ctx,
+            )
 
     @staticmethod
     def _overflow(size: str, ctx: int) -> RequestError:

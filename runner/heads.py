@@ -41,8 +41,13 @@ log = logging.getLogger("mtp_runner.heads")
 # Qwen3.5 save is "qwen3_5" around "qwen3_5_text", a text-only save "qwen3_5_text"). A family
 # that knows its checkpoint's layout says so instead (``Model.head_norm_shift``, e.g.
 # runner.models.qwen3_5: an mlx conversion stores every gain shifted already).
-_ZERO_CENTRED_NORM_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
-                            "qwen3_5_moe_text")  # fmt: skip
+_ZERO_CENTRED_NORM_TYPES = (
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+)
 # The target hidden an inline head conditions on: post-final-norm, the tensor the target's own
 # output head scores. Source: vLLM's qwen3_next_mtp.py and qwen3_5_mtp.py hand the MTP model
 # the hidden states Qwen3NextModel / Qwen3_5Model.forward return, which end in
@@ -191,9 +196,14 @@ def load_sidecar_head(loaded: LoadedModel, directory: str) -> MTPHead:
         },
     )
     return _build(
-        loaded, sidecar.weights, sidecar.naming, config, sidecar.weights_path, sidecar.norm_shift,
+        loaded,
+        sidecar.weights,
+        sidecar.naming,
+        config,
+        sidecar.weights_path,
+        sidecar.norm_shift,
         layers=sidecar.target["num_hidden_layers"],
-    )  # fmt: skip
+    )
 
 
 def _check_target(loaded: LoadedModel, sidecar: Sidecar) -> None:
@@ -238,9 +248,15 @@ def _build(
     if any(name.endswith(".scales") for name in mapped):
         mapped = _dequantized(mapped, origin, input_widths(head), path)
     load_head_weights(
-        head, mapped, origin, naming=naming, num_hidden_layers=layers, path=path,
-        dtype=loaded.dtype, norm_shift=norm_shift,
-    )  # fmt: skip
+        head,
+        mapped,
+        origin,
+        naming=naming,
+        num_hidden_layers=layers,
+        path=path,
+        dtype=loaded.dtype,
+        norm_shift=norm_shift,
+    )
     return head
 
 

@@ -148,8 +148,10 @@ def refuse_unused_parameters(
         if module and module in modules:
             raise UnsupportedArchitecture(
                 "tensor not used by the model the config describes (e.g. a bias where the "
-                "config has none)", path=sources.get(name, path), tensor=name,
-            )  # fmt: skip
+                "config has none)",
+                path=sources.get(name, path),
+                tensor=name,
+            )
 
 
 def load_model(
@@ -215,10 +217,17 @@ def load_model(
     refuse_unused_parameters(model, extras, sources, path)
     report("ready", 1, 1)
     return LoadedModel(
-        model=model, tokenizer=tokenizer, config=config, name=str(name), path=path,
-        context_length=int(model.args.max_position_embeddings), dtype=target_dtype,
-        quantized=quantized and keep_quantized, extra_weights=extras, chat_template=template,
-    )  # fmt: skip
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        name=str(name),
+        path=path,
+        context_length=int(model.args.max_position_embeddings),
+        dtype=target_dtype,
+        quantized=quantized and keep_quantized,
+        extra_weights=extras,
+        chat_template=template,
+    )
 
 
 def _directory_template(directory: str) -> ChatTemplate | None:

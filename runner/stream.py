@@ -89,10 +89,13 @@ class Stream:
             self.spec = engine.speculation.open(engine.model.unembed, slot.draft)
         self.stats = self.spec.stats if self.spec is not None else SpecStats()
         self.emitter = Emitter(
-            engine.tokenizer, stop=req.stop, max_tokens=req.max_tokens,
-            think_budget=req.think_budget, send=self._send,
+            engine.tokenizer,
+            stop=req.stop,
+            max_tokens=req.max_tokens,
+            think_budget=req.think_budget,
+            send=self._send,
             prompt_open_think=engine._opens_think(req.prompt),
-        )  # fmt: skip
+        )
         # A zero think budget on a span the prompt opened closes it before the first token:
         # the close marker is fed after the prompt, as if the prompt had ended with it.
         forced = self.emitter.force_at_start()
@@ -155,9 +158,14 @@ class Stream:
             end = next(e for e in self._ends if e > self.position) if one_chunk else None
             tokens = self.pending if end is None else self.pending[: end - self.position]
             prefill(
-                engine.model, self.slot.caches, tokens, self.position,
-                chunk=engine.chunk, cancelled=self.cancelled, on_commit=on_commit,
-            )  # fmt: skip
+                engine.model,
+                self.slot.caches,
+                tokens,
+                self.position,
+                chunk=engine.chunk,
+                cancelled=self.cancelled,
+                on_commit=on_commit,
+            )
             self.position += len(tokens)
             self.pending = self.pending[len(tokens) :]
 
@@ -220,24 +228,33 @@ class Stream:
     def _start_decoding(self) -> None:
         req, engine = self.req, self.engine
         self.sampler = Sampler(
-            req.params, history=self.sequence, vocab_size=engine.info.vocab_size,
+            req.params,
+            history=self.sequence,
+            vocab_size=engine.info.vocab_size,
             context_length=engine.info.context_length,
-        )  # fmt: skip
+        )
         self.rows = LogprobRows(req.top_logprobs) if req.logprobs else None
         kind, extra = PlainDecoder, {}
         if req.constraint is not None:  # the same matcher masks plain steps and rounds
             kind, extra = ConstrainedDecoder, {"constraint": req.constraint}
         on_commit = self.spec.on_commit if self.spec is not None else None
         self.decoder = kind(
-            engine.model, self.slot.caches, self.sampler,
-            top_logprobs=req.top_logprobs if req.logprobs else None, on_commit=on_commit,
+            engine.model,
+            self.slot.caches,
+            self.sampler,
+            top_logprobs=req.top_logprobs if req.logprobs else None,
+            on_commit=on_commit,
             **extra,
-        )  # fmt: skip
+        )
         self.loop = PlainLoop(
-            self.decoder, self.emitter, self.ledger, max_tokens=req.max_tokens,
-            context_length=engine.info.context_length, logprob_entry=self._logprob_entry,
+            self.decoder,
+            self.emitter,
+            self.ledger,
+            max_tokens=req.max_tokens,
+            context_length=engine.info.context_length,
+            logprob_entry=self._logprob_entry,
             on_first_token=self._first_token,
-        )  # fmt: skip
+        )
         self.seed = self.last_prompt
 
     def started(self, cur: Sampled) -> None:
@@ -249,10 +266,18 @@ class Stream:
             self.decoding = Decoding(self.loop, cur, self.cancelled)
             return
         self.decoding = self.spec.decoding(
-            self.loop, cur, self.cancelled, model=self.engine.model, caches=self.slot.caches,
-            sampler=self.sampler, emit=self._push, budget=self.req.max_tokens,
-            speculate=self.req.speculative, logprobs=self.rows, constraint=self.req.constraint,
-        )  # fmt: skip
+            self.loop,
+            cur,
+            self.cancelled,
+            model=self.engine.model,
+            caches=self.slot.caches,
+            sampler=self.sampler,
+            emit=self._push,
+            budget=self.req.max_tokens,
+            speculate=self.req.speculative,
+            logprobs=self.rows,
+            constraint=self.req.constraint,
+        )
 
     def step(self) -> bool:
         """One step of its own (the first feeds the seed); True once the stream finished."""

@@ -127,18 +127,26 @@ def report(args, model, ready, runs, elapsed) -> None:
         }
         s = summary[side]
         verdict = "meets" if s["warm_over_cold"] <= TARGET else "misses"
-        rows.append([
-            side, f"{s['cold_ttft_s']:.3f}", f"{s['warm_ttft_s']:.3f}",
-            f"{s['warm_over_cold']:.1%} ({verdict} <= {TARGET:.0%})",
-            f"{s['paired_warm_over_cold']:.1%}",
-            f"{s['cold_engine_prompt_eval_s']:.3f} / {s['warm_engine_prompt_eval_s']:.3f}",
-            f"{s['cold_cached_tokens']} / {s['warm_cached_tokens']}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                side,
+                f"{s['cold_ttft_s']:.3f}",
+                f"{s['warm_ttft_s']:.3f}",
+                f"{s['warm_over_cold']:.1%} ({verdict} <= {TARGET:.0%})",
+                f"{s['paired_warm_over_cold']:.1%}",
+                f"{s['cold_engine_prompt_eval_s']:.3f} / {s['warm_engine_prompt_eval_s']:.3f}",
+                f"{s['cold_cached_tokens']} / {s['warm_cached_tokens']}",
+            ]
+        )
     headers = [
-        "side", f"cold TTFT s (median of {args.reps})", "warm TTFT s", "warm / cold (medians)",
-        "warm / cold (paired)", "done prompt_eval s cold / warm",
+        "side",
+        f"cold TTFT s (median of {args.reps})",
+        "warm TTFT s",
+        "warm / cold (medians)",
+        "warm / cold (paired)",
+        "done prompt_eval s cold / warm",
         "prompt_cached_tokens cold / warm",
-    ]  # fmt: skip
+    ]
     loads = [r["load"] for side in SIDES for kind in runs[side].values() for r in kind]
     print()
     print(bc.markdown_table(headers, rows))
@@ -152,11 +160,16 @@ def report(args, model, ready, runs, elapsed) -> None:
     path = bc.write_json(
         args.out,
         {
-            "model": model, "length": args.length, "shared": args.shared, "reps": args.reps,
-            "environment": bc.environment(), "summary": summary, "runs": runs,
+            "model": model,
+            "length": args.length,
+            "shared": args.shared,
+            "reps": args.reps,
+            "environment": bc.environment(),
+            "summary": summary,
+            "runs": runs,
             "elapsed_s": elapsed,
         },
-    )  # fmt: skip
+    )
     print(f"wrote {path}")
 
 

@@ -174,9 +174,13 @@ class Worker:
     def __init__(self, argv: Sequence[str], log_name: str, env: dict | None = None) -> None:
         self._log = log_file(log_name)
         self.proc = subprocess.Popen(
-            list(argv), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, env=env,
-        )  # fmt: skip
+            list(argv),
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+        )
         self.info = self.read()
 
     def read(self) -> dict:

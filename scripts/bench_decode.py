@@ -228,16 +228,27 @@ def report(args, model, hf_dir, prompt, warmup, runs, info, elapsed) -> None:
         s, a = summary[side], agreement[side]
         diff = a["first_difference_vs_runner"]
         same = "identical" if diff is None else f"differ from index {diff}"
-        rows.append([
-            side, f"{s['wall_tps']:.2f}", f"{s['reported_tps']:.2f}",
-            f"{s['ratio_vs_mlx_lm']:.3f}", f"{s['paired_ratio_vs_mlx_lm']:.3f}",
-            f"{s['first_token_s']:.3f}", f"{a['tokens']} ({same})",
-        ])  # fmt: skip
+        rows.append(
+            [
+                side,
+                f"{s['wall_tps']:.2f}",
+                f"{s['reported_tps']:.2f}",
+                f"{s['ratio_vs_mlx_lm']:.3f}",
+                f"{s['paired_ratio_vs_mlx_lm']:.3f}",
+                f"{s['first_token_s']:.3f}",
+                f"{a['tokens']} ({same})",
+            ]
+        )
     loads = [r["load"] for side in SIDES for r in runs[side]]
     headers = [
-        "side", f"decode tok/s (wall, median of {args.reps})", "self-reported tok/s",
-        "x mlx-lm (medians)", "x mlx-lm (paired)", "first token s", "tokens generated",
-    ]  # fmt: skip
+        "side",
+        f"decode tok/s (wall, median of {args.reps})",
+        "self-reported tok/s",
+        "x mlx-lm (medians)",
+        "x mlx-lm (paired)",
+        "first token s",
+        "tokens generated",
+    ]
     print()
     print(bc.markdown_table(headers, rows))
     print()
@@ -253,12 +264,20 @@ def report(args, model, hf_dir, prompt, warmup, runs, info, elapsed) -> None:
     path = bc.write_json(
         args.out,
         {
-            "model": model, "hf_export": hf_dir, "prompt_tokens": prompt,
-            "decode_tokens": args.decode, "reps": args.reps, "environment": bc.environment(),
-            "summary": summary, "agreement": agreement, "info": info, "warmup": warmup,
-            "runs": runs, "elapsed_s": elapsed,
+            "model": model,
+            "hf_export": hf_dir,
+            "prompt_tokens": prompt,
+            "decode_tokens": args.decode,
+            "reps": args.reps,
+            "environment": bc.environment(),
+            "summary": summary,
+            "agreement": agreement,
+            "info": info,
+            "warmup": warmup,
+            "runs": runs,
+            "elapsed_s": elapsed,
         },
-    )  # fmt: skip
+    )
     print(f"wrote {path}")
 
 

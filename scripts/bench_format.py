@@ -77,10 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         ask = f"Reply with JSON only matching this JSON Schema: {json.dumps(schema)}."
         text = f"{ask} Give {topic}."
         request = Completion(
-            id="b", messages=[{"role": "user", "content": text}],
+            id="b",
+            messages=[{"role": "user", "content": text}],
             format=schema if constrained else None,
             options=Options(num_predict=tokens, temperature=0, repeat_penalty=1.0),
-        )  # fmt: skip
+        )
         frames: list = []
         mlx_ops.FORCED_DRAFTS = "by the head" not in mode
         engine.run(engine.prepare(request), frames.append, lambda: False)
@@ -112,21 +113,35 @@ def main(argv: list[str] | None = None) -> int:
         bound = statistics.median(samples[(mode, True)])
         accepted, total = drafted[mode]
         acceptance = f"{accepted / total:.2f} ({accepted}/{total})" if total else "-"
-        rows.append([mode, f"{free:.1f}", f"{bound:.1f}", f"{statistics.median(ratios[mode]):.2f}",
-                     acceptance])  # fmt: skip
+        rows.append(
+            [
+                mode,
+                f"{free:.1f}",
+                f"{bound:.1f}",
+                f"{statistics.median(ratios[mode]):.2f}",
+                acceptance,
+            ]
+        )
     per_token_us = 1e6 * (spent["mask"] + spent["consume"]) / max(spent["tokens"], 1)
     print("\nGreedy decode tokens/s, medians over prompts and reps")
     headers = ["mode", "unconstrained", "constrained", "constrained / free", "acceptance"]
     print(bc.markdown_table(headers, rows))
     print(f"\nmatcher per token: {per_token_us:.0f} us (mask and consume, overlapping the forward)")
     print(f"load: {bc.describe_load(loads)}")
-    out = bc.write_json(args.out, {
-        "model": model, "reps": args.reps, "tokens": args.tokens,
-        "rates": {f"{m}/{'constrained' if c else 'free'}": v for (m, c), v in samples.items()},
-        "ratios": ratios, "matcher_us_per_token": per_token_us, "load": loads,
-        "drafted": drafted,
-        "environment": bc.environment(),
-    })  # fmt: skip
+    out = bc.write_json(
+        args.out,
+        {
+            "model": model,
+            "reps": args.reps,
+            "tokens": args.tokens,
+            "rates": {f"{m}/{'constrained' if c else 'free'}": v for (m, c), v in samples.items()},
+            "ratios": ratios,
+            "matcher_us_per_token": per_token_us,
+            "load": loads,
+            "drafted": drafted,
+            "environment": bc.environment(),
+        },
+    )
     print(f"wrote {out}")
     return 0
 

@@ -200,12 +200,16 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def print_tables(results: dict, args: argparse.Namespace) -> None:
-    print(f"| configuration | prefill {args.prefill} tok/s | decode tok/s | step GB/s "
-          "| one thread GB/s |")  # fmt: skip
+    print(
+        f"| configuration | prefill {args.prefill} tok/s | decode tok/s | step GB/s "
+        "| one thread GB/s |"
+    )
     print("|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
-              f"{r['step_gbs']:.1f} | {r['bandwidth_gbs']:.1f} |")  # fmt: skip
+        print(
+            f"| {name} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
+            f"{r['step_gbs']:.1f} | {r['bandwidth_gbs']:.1f} |"
+        )
     rows = list(next(iter(results.values()))["forward_ratio"])
     print(f"\nk-row synchronous forward at offset {args.prefill}: ms for 1 row, then x 1 row")
     print("| configuration | 1 row ms | " + " | ".join(f"k={k}" for k in rows[1:]) + " |")

@@ -38,11 +38,19 @@ import bench_common as bc  # noqa: E402
 REF_VENV = os.path.join(bc.ROOT, ".venv-ref")
 DEFAULT_DIR = os.path.join(bc.RESULTS_DIR, "hybrid-0.8b-random")
 SHAPE = {
-    "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 3584,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 32000,
-}  # fmt: skip
+    "hidden_size": 1024,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "intermediate_size": 3584,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "vocab_size": 32000,
+}
 SIDES = ("runner", "mlx-lm")
 VERIFY_ROWS = (2, 3, 5)
 
@@ -51,21 +59,35 @@ VERIFY_ROWS = (2, 3, 5)
 def checkpoint_config() -> dict:
     layers = SHAPE["num_hidden_layers"]
     text = {
-        "model_type": "qwen3_5_text", **SHAPE, "full_attention_interval": 4,
-        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                        for i in range(layers)],
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-        "attention_bias": False, "tie_word_embeddings": True, "eos_token_id": 2,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
-                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
-                            "mrope_interleaved": True},
+        "model_type": "qwen3_5_text",
+        **SHAPE,
+        "full_attention_interval": 4,
+        "layer_types": [
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)
+        ],
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
         "dtype": "float32",
-    }  # fmt: skip
+    }
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "text_config": text, "tie_word_embeddings": True, "dtype": "float32",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "tie_word_embeddings": True,
+        "dtype": "float32",
         "bench_hybrid": 1,  # the generator's version: a changed generator makes a new one
-    }  # fmt: skip
+    }
 
 
 def make_checkpoint(directory: str) -> str:
@@ -91,37 +113,44 @@ def make_checkpoint(directory: str) -> str:
     def normal(*shape: int, std: float = 0.02):
         return (std * mx.random.normal(shape)).astype(mx.float32)
 
-    weights = {"model.language_model.embed_tokens.weight": normal(SHAPE["vocab_size"], h),
-               "model.language_model.norm.weight": normal(h, std=0.1)}  # fmt: skip
+    weights = {
+        "model.language_model.embed_tokens.weight": normal(SHAPE["vocab_size"], h),
+        "model.language_model.norm.weight": normal(h, std=0.1),
+    }
     for i, kind in enumerate(config["text_config"]["layer_types"]):
         p = f"model.language_model.layers.{i}."
         layer = {
             "input_layernorm.weight": normal(h, std=0.1),
             "post_attention_layernorm.weight": normal(h, std=0.1),
-            "mlp.gate_proj.weight": normal(inter, h), "mlp.up_proj.weight": normal(inter, h),
+            "mlp.gate_proj.weight": normal(inter, h),
+            "mlp.up_proj.weight": normal(inter, h),
             "mlp.down_proj.weight": normal(h, inter),
-        }  # fmt: skip
+        }
         if kind == "full_attention":
-            layer.update({
-                "self_attn.q_proj.weight": normal(2 * heads * hd, h),
-                "self_attn.k_proj.weight": normal(kv * hd, h),
-                "self_attn.v_proj.weight": normal(kv * hd, h),
-                "self_attn.o_proj.weight": normal(h, heads * hd),
-                "self_attn.q_norm.weight": normal(hd, std=0.1),
-                "self_attn.k_norm.weight": normal(hd, std=0.1),
-            })  # fmt: skip
+            layer.update(
+                {
+                    "self_attn.q_proj.weight": normal(2 * heads * hd, h),
+                    "self_attn.k_proj.weight": normal(kv * hd, h),
+                    "self_attn.v_proj.weight": normal(kv * hd, h),
+                    "self_attn.o_proj.weight": normal(h, heads * hd),
+                    "self_attn.q_norm.weight": normal(hd, std=0.1),
+                    "self_attn.k_norm.weight": normal(hd, std=0.1),
+                }
+            )
         else:
-            layer.update({
-                "linear_attn.in_proj_qkv.weight": normal(2 * keys + values, h),
-                "linear_attn.in_proj_z.weight": normal(values, h),
-                "linear_attn.in_proj_b.weight": normal(vh, h),
-                "linear_attn.in_proj_a.weight": normal(vh, h),
-                "linear_attn.conv1d.weight": normal(2 * keys + values, 1, conv, std=0.3),
-                "linear_attn.dt_bias": mx.ones((vh,)),
-                "linear_attn.A_log": mx.log(mx.random.uniform(1.0, 16.0, (vh,))),
-                "linear_attn.norm.weight": mx.ones((SHAPE["linear_value_head_dim"],)),
-                "linear_attn.out_proj.weight": normal(h, values),
-            })  # fmt: skip
+            layer.update(
+                {
+                    "linear_attn.in_proj_qkv.weight": normal(2 * keys + values, h),
+                    "linear_attn.in_proj_z.weight": normal(values, h),
+                    "linear_attn.in_proj_b.weight": normal(vh, h),
+                    "linear_attn.in_proj_a.weight": normal(vh, h),
+                    "linear_attn.conv1d.weight": normal(2 * keys + values, 1, conv, std=0.3),
+                    "linear_attn.dt_bias": mx.ones((vh,)),
+                    "linear_attn.A_log": mx.log(mx.random.uniform(1.0, 16.0, (vh,))),
+                    "linear_attn.norm.weight": mx.ones((SHAPE["linear_value_head_dim"],)),
+                    "linear_attn.out_proj.weight": normal(h, values),
+                }
+            )
         weights.update({p + k: v for k, v in layer.items()})
     mx.eval(weights)
     mx.save_safetensors(os.path.join(directory, "model.safetensors"), weights)
@@ -142,8 +171,12 @@ def write_tokenizer(directory: str) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(os.path.join(directory, "tokenizer.json"))
-    meta = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-            "bos_token": None, "add_bos_token": False}  # fmt: skip
+    meta = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "bos_token": None,
+        "add_bos_token": False,
+    }
     with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f)
 
@@ -176,9 +209,11 @@ def runner_worker(directory: str) -> None:
     model = engine.model
 
     def generate(command: dict) -> dict:
-        request = Completion(id="b", tokens=command["prompt"],
-                             options=Options(temperature=0, repeat_penalty=1.0,
-                                             num_predict=command["n"]))  # fmt: skip
+        request = Completion(
+            id="b",
+            tokens=command["prompt"],
+            options=Options(temperature=0, repeat_penalty=1.0, num_predict=command["n"]),
+        )
         tokens, done = [], {}
         t0 = time.perf_counter()
 
@@ -254,17 +289,20 @@ def mlx_lm_worker(directory: str) -> None:
     def handle(command: dict) -> dict:
         tokens = []
         t0 = time.perf_counter()
-        steps = generate_step(mx.array(command["prompt"]), model, max_tokens=command["n"],
-                              sampler=greedy)  # fmt: skip
+        steps = generate_step(
+            mx.array(command["prompt"]), model, max_tokens=command["n"], sampler=greedy
+        )
         for token, _ in steps:
             tokens.append((time.perf_counter() - t0, [int(token)]))
         return {"tokens": tokens, "prefill_s": tokens[0][0]}
 
     import importlib.metadata
 
-    info = {"blas": f"{blas.blas_in_use()}, MKL_NUM_THREADS="
-                    f"{os.environ['MKL_NUM_THREADS']}", "mlx": mx.__version__,
-            "mlx_lm": importlib.metadata.version("mlx-lm")}  # fmt: skip
+    info = {
+        "blas": f"{blas.blas_in_use()}, MKL_NUM_THREADS={os.environ['MKL_NUM_THREADS']}",
+        "mlx": mx.__version__,
+        "mlx_lm": importlib.metadata.version("mlx-lm"),
+    }
     bc.serve_worker(info, handle)
 
 
@@ -276,11 +314,13 @@ def start(directory: str) -> dict:
     if not os.path.exists(ref_python):
         raise SystemExit(f"mlx-lm's venv {REF_VENV} is missing (scripts/reference_env.sh)")
     return {
-        "runner": bc.Worker([sys.executable, here, "--runner-worker", directory],
-                            "hybrid-runner.log", env=env),
-        "mlx-lm": bc.Worker([ref_python, here, "--mlx-lm-worker", directory],
-                            "hybrid-mlx-lm.log", env=env),
-    }  # fmt: skip
+        "runner": bc.Worker(
+            [sys.executable, here, "--runner-worker", directory], "hybrid-runner.log", env=env
+        ),
+        "mlx-lm": bc.Worker(
+            [ref_python, here, "--mlx-lm-worker", directory], "hybrid-mlx-lm.log", env=env
+        ),
+    }
 
 
 def summarize(reply: dict, prompt_len: int) -> dict:
@@ -324,11 +364,14 @@ def main() -> int:
                 reply = sides[side].call({"op": "generate", "prompt": prompt, "n": args.decode})
                 runs[side].append(summarize(reply, len(prompt)))
                 r = runs[side][-1]
-                print(f"rep {rep} {side:7s} prefill {r['prefill_tps']:7.1f} tok/s, decode "
-                      f"{r['decode_tps']:6.2f} tok/s, load {r['load']['loadavg_1m']:.2f}",
-                      file=sys.stderr)  # fmt: skip
-            seams.append(sides["runner"].call(
-                {"op": "seam", "prompt": prompt[:128], "reps": args.seam_reps}))  # fmt: skip
+                print(
+                    f"rep {rep} {side:7s} prefill {r['prefill_tps']:7.1f} tok/s, decode "
+                    f"{r['decode_tps']:6.2f} tok/s, load {r['load']['loadavg_1m']:.2f}",
+                    file=sys.stderr,
+                )
+            seams.append(
+                sides["runner"].call({"op": "seam", "prompt": prompt[:128], "reps": args.seam_reps})
+            )
         info = {side: sides[side].info for side in SIDES}
     finally:
         for worker in sides.values():
@@ -340,8 +383,9 @@ def main() -> int:
 def report(args, directory, prompt, runs, seams, info, elapsed) -> None:
     summary = {}
     for side in SIDES:
-        summary[side] = {k: bc.median([r[k] for r in runs[side]])
-                         for k in ("prefill_tps", "decode_tps")}  # fmt: skip
+        summary[side] = {
+            k: bc.median([r[k] for r in runs[side]]) for k in ("prefill_tps", "decode_tps")
+        }
     for key in ("prefill_tps", "decode_tps"):
         pairs = zip(runs["runner"], runs["mlx-lm"], strict=True)
         summary["runner"][f"{key}_paired_ratio"] = bc.median([a[key] / b[key] for a, b in pairs])
@@ -349,41 +393,79 @@ def report(args, directory, prompt, runs, seams, info, elapsed) -> None:
     seam = {k: bc.median([s[k] for s in seams]) for k in seams[0]}
     step = seam["step"]
     rows = [
-        ["prefill tok/s", f"{summary['runner']['prefill_tps']:.1f}",
-         f"{summary['mlx-lm']['prefill_tps']:.1f}",
-         f"{summary['runner']['prefill_tps_ratio']:.2f}x "
-         f"(paired {summary['runner']['prefill_tps_paired_ratio']:.2f}x)", ">= 2x"],
-        ["decode tok/s", f"{summary['runner']['decode_tps']:.2f}",
-         f"{summary['mlx-lm']['decode_tps']:.2f}",
-         f"{summary['runner']['decode_tps_ratio']:.2f}x "
-         f"(paired {summary['runner']['decode_tps_paired_ratio']:.2f}x)", ">= 1.0x"],
+        [
+            "prefill tok/s",
+            f"{summary['runner']['prefill_tps']:.1f}",
+            f"{summary['mlx-lm']['prefill_tps']:.1f}",
+            f"{summary['runner']['prefill_tps_ratio']:.2f}x "
+            f"(paired {summary['runner']['prefill_tps_paired_ratio']:.2f}x)",
+            ">= 2x",
+        ],
+        [
+            "decode tok/s",
+            f"{summary['runner']['decode_tps']:.2f}",
+            f"{summary['mlx-lm']['decode_tps']:.2f}",
+            f"{summary['runner']['decode_tps_ratio']:.2f}x "
+            f"(paired {summary['runner']['decode_tps_paired_ratio']:.2f}x)",
+            ">= 1.0x",
+        ],
         ["one-row step (seam)", f"{step * 1e3:.1f} ms", "", "1.00", ""],
-    ]  # fmt: skip
+    ]
     for n in VERIFY_ROWS:
         keep = seam[f"verify{n}"] / seam[f"nokeep{n}"] - 1
-        rows.append([f"verify {n} rows", f"{seam[f'verify{n}'] * 1e3:.1f} ms", "",
-                     f"{seam[f'verify{n}'] / step:.2f} x step (keep +{keep:.0%})", ""])  # fmt: skip
+        rows.append(
+            [
+                f"verify {n} rows",
+                f"{seam[f'verify{n}'] * 1e3:.1f} ms",
+                "",
+                f"{seam[f'verify{n}'] / step:.2f} x step (keep +{keep:.0%})",
+                "",
+            ]
+        )
     restore = bc.median([seam[f"restore{n}"] for n in VERIFY_ROWS])
-    rows.append(["restore after a rejection", f"{restore * 1e6:.0f} us", "",
-                 f"{restore / step:.2%} of a step", "< 5%"])  # fmt: skip
+    rows.append(
+        [
+            "restore after a rejection",
+            f"{restore * 1e6:.0f} us",
+            "",
+            f"{restore / step:.2%} of a step",
+            "< 5%",
+        ]
+    )
     ids = {side: runs[side][0]["ids"] for side in SIDES}
     same = next((i for i, (a, b) in enumerate(zip(*ids.values(), strict=False)) if a != b), None)
     print()
     print(bc.markdown_table(["", "runner", "mlx-lm", "ratio", "target"], rows))
     print()
     print(bc.describe_load([r["load"] for side in SIDES for r in runs[side]]))
-    print(f"runner: {info['runner']['tuning']}; BLAS runner {info['runner']['blas']}, mlx-lm "
-          f"{info['mlx-lm']['blas']}; mlx {info['mlx-lm']['mlx']}, mlx-lm "
-          f"{info['mlx-lm']['mlx_lm']}")  # fmt: skip
-    print(f"greedy tokens {'identical' if same is None else f'differ from index {same}'} "
-          f"({len(ids['runner'])} vs {len(ids['mlx-lm'])}); {len(prompt)}-token prompt, "
-          f"{args.decode} decoded, medians of {args.reps}; {elapsed:.0f} s in all")  # fmt: skip
-    path = bc.write_json(args.out, {
-        "checkpoint": directory, "shape": SHAPE, "prompt_tokens": len(prompt),
-        "decode_tokens": args.decode, "reps": args.reps, "environment": bc.environment(),
-        "summary": summary, "seam_s": seam, "seam_runs": seams, "info": info, "runs": runs,
-        "first_difference": same, "elapsed_s": elapsed,
-    })  # fmt: skip
+    print(
+        f"runner: {info['runner']['tuning']}; BLAS runner {info['runner']['blas']}, mlx-lm "
+        f"{info['mlx-lm']['blas']}; mlx {info['mlx-lm']['mlx']}, mlx-lm "
+        f"{info['mlx-lm']['mlx_lm']}"
+    )
+    print(
+        f"greedy tokens {'identical' if same is None else f'differ from index {same}'} "
+        f"({len(ids['runner'])} vs {len(ids['mlx-lm'])}); {len(prompt)}-token prompt, "
+        f"{args.decode} decoded, medians of {args.reps}; {elapsed:.0f} s in all"
+    )
+    path = bc.write_json(
+        args.out,
+        {
+            "checkpoint": directory,
+            "shape": SHAPE,
+            "prompt_tokens": len(prompt),
+            "decode_tokens": args.decode,
+            "reps": args.reps,
+            "environment": bc.environment(),
+            "summary": summary,
+            "seam_s": seam,
+            "seam_runs": seams,
+            "info": info,
+            "runs": runs,
+            "first_difference": same,
+            "elapsed_s": elapsed,
+        },
+    )
     print(f"wrote {path}")
 
 

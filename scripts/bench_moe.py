@@ -62,24 +62,41 @@ CHECKPOINTS = os.path.join(bc.RESULTS_DIR, "moe-bench")
 REF_PYTHON = os.path.join(bc.ROOT, ".venv-ref", "bin", "python")
 SEED = 1
 COMMON = {
-    "vocab_size": 49152, "hidden_size": 1024, "num_hidden_layers": 16,
-    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-6,
-    "rope_theta": 1e6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-    "hidden_act": "silu", "attention_bias": False, "bos_token_id": None,
-}  # fmt: skip
+    "vocab_size": 49152,
+    "hidden_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": None,
+}
 EXPERTS, TOP_K, EXPERT_WIDTH = 64, 8, 272
 CONFIGS = {
     "qwen3_moe": {
-        **COMMON, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-        "num_experts": EXPERTS, "num_experts_per_tok": TOP_K,
-        "moe_intermediate_size": EXPERT_WIDTH, "norm_topk_prob": True, "decoder_sparse_step": 1,
-        "mlp_only_layers": [], "intermediate_size": TOP_K * EXPERT_WIDTH,
-    },
-    "qwen3_dense": {
-        **COMMON, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+        **COMMON,
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_experts": EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "moe_intermediate_size": EXPERT_WIDTH,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
         "intermediate_size": TOP_K * EXPERT_WIDTH,
     },
-}  # fmt: skip
+    "qwen3_dense": {
+        **COMMON,
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "intermediate_size": TOP_K * EXPERT_WIDTH,
+    },
+}
 PROMPT_TOKENS = 64
 ROWS = (1, 2, 3, 5)
 ROW_REPS = 5  # timings per row count in one measurement (medians)
@@ -193,9 +210,12 @@ def ensure_checkpoint(name: str) -> str:
     files = {
         "model.safetensors.index.json": {"metadata": {}, "weight_map": index},
         "config.json": config,
-        "tokenizer_config.json": {"eos_token": EOS_TOKEN, "bos_token": None,
-                                  "add_bos_token": False},
-    }  # fmt: skip
+        "tokenizer_config.json": {
+            "eos_token": EOS_TOKEN,
+            "bos_token": None,
+            "add_bos_token": False,
+        },
+    }
     for fname, data in files.items():
         with open(os.path.join(path, fname), "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
@@ -329,8 +349,10 @@ def profile_rows(model, r: int, reps: int) -> dict[str, float]:
         mlps = [layer.mlp for layer in model.layers]
         ins = [normal((1, r, dims), i) for i in range(len(mlps))]
         mx.eval(ins)
-        parts = {"whole MLP block (dense, active width)": lambda i: mlps[i](ins[i]),
-                 "output projection (vocabulary, once)": head}  # fmt: skip
+        parts = {
+            "whole MLP block (dense, active width)": lambda i: mlps[i](ins[i]),
+            "output projection (vocabulary, once)": head,
+        }
         return timed_parts(parts, len(mlps), reps)
     s = blocks[0].settings
     width, k = s.intermediate_size, s.top_k
@@ -349,8 +371,9 @@ def profile_rows(model, r: int, reps: int) -> dict[str, float]:
         order = mx.argsort(flat)
         return xs[i][order // k], flat[order], mx.argsort(order)
 
-    parts = {"router (product, softmax, top-k, weights)": lambda i: moe.route(
-        blocks[i].gate, xs[i], s)}  # fmt: skip
+    parts = {
+        "router (product, softmax, top-k, weights)": lambda i: moe.route(blocks[i].gate, xs[i], s)
+    }
     if "_panels" in sw[0].down_proj:
         parts["gate+up: one gathered panel product"] = lambda i: native.gather_panel_matmul(
             xs[i][:, None], sw[i]._gate_up_p, routes[i][0], 2 * width
@@ -505,8 +528,14 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict:
             for side, w in sides.items():
                 dec = w.call({"cmd": "decode", "tokens": args.decode})
                 rows = w.call({"cmd": "rows", "reps": ROW_REPS})["ms"]
-                runs[side].append({"tps": dec["tps"], "ids": dec["ids"], "rows_ms": rows,
-                                   "load": bc.machine_load()})  # fmt: skip
+                runs[side].append(
+                    {
+                        "tps": dec["tps"],
+                        "ids": dec["ids"],
+                        "rows_ms": rows,
+                        "load": bc.machine_load(),
+                    }
+                )
                 print(
                     f"[{phase}] rep {rep} {side:46s} {dec['tps']:6.2f} tok/s, rows "
                     + " ".join(f"{k}:{v:.1f}" for k, v in rows.items())
@@ -522,14 +551,20 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict:
                     command = {"cmd": "profile", "rows": [1, 5], "reps": PROFILE_REPS}
                     rounds[side].append(sides[side].call(command)["parts"])
             for side, got in rounds.items():
-                parts[side] = {r: {name: statistics.median(g[r][name] for g in got)
-                                   for name in got[0][r]} for r in got[0]}  # fmt: skip
+                parts[side] = {
+                    r: {name: statistics.median(g[r][name] for g in got) for name in got[0][r]}
+                    for r in got[0]
+                }
         info = {s: w.info for s, w in sides.items()}
     finally:
         for w in sides.values():
             w.close()
-    return {"runs": runs, "info": info, "profile": parts, "warmup_ids": {
-        s: r["ids"] for s, r in warm.items()}}  # fmt: skip
+    return {
+        "runs": runs,
+        "info": info,
+        "profile": parts,
+        "warmup_ids": {s: r["ids"] for s, r in warm.items()},
+    }
 
 
 def summarise(phase: str, data: dict) -> dict:
@@ -561,25 +596,39 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def print_phase(phase: str, summary: dict, data: dict, reps: int) -> None:
     sides = summary["sides"]
-    headers = ["side", f"decode tok/s (median of {reps})", "1-row ms", "2 rows x", "3 rows x",
-               "5 rows x", "controller's depth", "its speed-up at that depth"]  # fmt: skip
+    headers = [
+        "side",
+        f"decode tok/s (median of {reps})",
+        "1-row ms",
+        "2 rows x",
+        "3 rows x",
+        "5 rows x",
+        "controller's depth",
+        "its speed-up at that depth",
+    ]
     rows = []
     for side, s in sides.items():
         d = s["depth"]
-        rows.append([
-            side, f"{s['decode_tps']:.2f}", f"{s['rows_ms'][1]:.1f}",
-            *(f"{s['row_cost_ratio'][k]:.2f}" for k in ROWS[1:]),
-            f"{d['selected']} (best rate: {d['best_rate_depth']})",
-            f"{d['speedup_vs_plain'][d['selected']]:.2f}x",
-        ])  # fmt: skip
+        rows.append(
+            [
+                side,
+                f"{s['decode_tps']:.2f}",
+                f"{s['rows_ms'][1]:.1f}",
+                *(f"{s['row_cost_ratio'][k]:.2f}" for k in ROWS[1:]),
+                f"{d['selected']} (best rate: {d['best_rate_depth']})",
+                f"{d['speedup_vs_plain'][d['selected']]:.2f}x",
+            ]
+        )
     print(f"\n### phase {phase}\n")
     print(bc.markdown_table(headers, rows))
     print()
     for name, value in summary["ratios"].items():
         print(f"- decode tok/s {name}: {value:.3f}x (median of per-rep ratios)")
     for side, s in sides.items():
-        print(f"- {side}: {s['info'].get('tuning', s['info'].get('mlx_lm', ''))}; "
-              f"experts {s['info'].get('layout', 'mlx-lm SwitchGLU')}")  # fmt: skip
+        print(
+            f"- {side}: {s['info'].get('tuning', s['info'].get('mlx_lm', ''))}; "
+            f"experts {s['info'].get('layout', 'mlx-lm SwitchGLU')}"
+        )
     ids = {s: data["runs"][s][0]["ids"] for s in sides}
     moe_sides = [s for s in sides if SIDES[s][1] == "qwen3_moe"]
     for s in moe_sides[1:]:
@@ -593,10 +642,14 @@ def print_phase(phase: str, summary: dict, data: dict, reps: int) -> None:
             names: list[str] = []
             for side in sides_:
                 names += [n for n in profile[side][r] if n not in names]
-            table = [[n, *(f"{profile[s][r][n]:.2f}" if n in profile[s][r] else "-"
-                           for s in sides_)] for n in names]  # fmt: skip
-            print(f"\nprofile over {r} row(s): ms per forward, summed over the 16 layers, eager "
-                  f"(median of {PROFILE_REPS} x the rounds)\n")  # fmt: skip
+            table = [
+                [n, *(f"{profile[s][r][n]:.2f}" if n in profile[s][r] else "-" for s in sides_)]
+                for n in names
+            ]
+            print(
+                f"\nprofile over {r} row(s): ms per forward, summed over the 16 layers, eager "
+                f"(median of {PROFILE_REPS} x the rounds)\n"
+            )
             print(bc.markdown_table(["part", *sides_], table))
 
 
@@ -645,12 +698,19 @@ def main() -> int:
     path = bc.write_json(
         args.out,
         {
-            "parameters": counts, "configs": CONFIGS, "decode_tokens": args.decode,
-            "prompt_tokens": PROMPT_TOKENS, "rows": ROWS, "acceptance": ACCEPTANCE,
-            "reps": args.reps, "environment": bc.environment(), "summary": summaries,
-            "results": results, "elapsed_s": elapsed,
+            "parameters": counts,
+            "configs": CONFIGS,
+            "decode_tokens": args.decode,
+            "prompt_tokens": PROMPT_TOKENS,
+            "rows": ROWS,
+            "acceptance": ACCEPTANCE,
+            "reps": args.reps,
+            "environment": bc.environment(),
+            "summary": summaries,
+            "results": results,
+            "elapsed_s": elapsed,
         },
-    )  # fmt: skip
+    )
     print(f"{elapsed:.0f} s in all; wrote {path}")
     return 0
 

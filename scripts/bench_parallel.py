@@ -39,8 +39,18 @@ TEXT = (
     "filled three shelves of his small cottage, and when the historians from the university "
     "finally came to read them, they found"
 )
-TOPICS = ["harbour", "orchard", "glacier", "market", "library", "desert", "river", "forest",
-          "valley", "island"]  # fmt: skip
+TOPICS = [
+    "harbour",
+    "orchard",
+    "glacier",
+    "market",
+    "library",
+    "desert",
+    "river",
+    "forest",
+    "valley",
+    "island",
+]
 RUNNER_SIDES = {"runner (head)": [], "runner (no head)": ["--no-draft"]}
 MLX_LM = "mlx-lm batch_generate"
 
@@ -90,10 +100,15 @@ def runner_round(side: Streams, n: int, decode: int, tag: str) -> dict:
     out = side.collect(set(prompts))
     end = max(v["done"][0] for v in out.values())
     total = sum(len(ids) for v in out.values() for _, ids in v["tokens"])
-    rates = [bc.interval_rate([(t - sent[r], ids) for t, ids in v["tokens"]])
-             for r, v in out.items()]  # fmt: skip
-    return {"aggregate": total / (end - start), "per_stream": bc.median(rates), "tokens": total,
-            "ids": {r: bc.flatten_ids(v["tokens"]) for r, v in out.items()}}  # fmt: skip
+    rates = [
+        bc.interval_rate([(t - sent[r], ids) for t, ids in v["tokens"]]) for r, v in out.items()
+    ]
+    return {
+        "aggregate": total / (end - start),
+        "per_stream": bc.median(rates),
+        "tokens": total,
+        "ids": {r: bc.flatten_ids(v["tokens"]) for r, v in out.items()},
+    }
 
 
 def newcomer_ttft(side: Streams, n: int, decode: int, tag: str) -> dict:
@@ -148,17 +163,27 @@ def mlx_lm_worker(hf_dir: str) -> None:
     def handle(command: dict) -> dict:
         t0 = time.perf_counter()
         response = batch_generate(
-            model, tokenizer, command["prompts"], max_tokens=command["max_tokens"],
+            model,
+            tokenizer,
+            command["prompts"],
+            max_tokens=command["max_tokens"],
             return_token_ids=True,
-        )  # fmt: skip
+        )
         wall = time.perf_counter() - t0
         ids = [list(map(int, t)) for t in getattr(response, "token_ids", None) or []]
         total = sum(len(t) for t in ids) if ids else None
-        return {"wall": wall, "ids": ids, "total": total,
-                "generation_tps": getattr(response.stats, "generation_tps", None)}  # fmt: skip
+        return {
+            "wall": wall,
+            "ids": ids,
+            "total": total,
+            "generation_tps": getattr(response.stats, "generation_tps", None),
+        }
 
-    info = {"blas": blas.blas_in_use(), "mlx": mx.__version__,
-            "mlx_lm": importlib.metadata.version("mlx-lm")}  # fmt: skip
+    info = {
+        "blas": blas.blas_in_use(),
+        "mlx": mx.__version__,
+        "mlx_lm": importlib.metadata.version("mlx-lm"),
+    }
     bc.serve_worker(info, handle)
 
 
@@ -166,8 +191,12 @@ def mlx_lm_round(worker: bc.Worker, tokenize, n: int, decode: int, tag: str) -> 
     prompts = [tokenize(prompt_text(tag, i)) for i in range(n)]
     reply = worker.call({"prompts": prompts, "max_tokens": decode})
     total = reply["total"] if reply["total"] is not None else n * decode
-    return {"aggregate": total / reply["wall"], "per_stream": total / n / reply["wall"],
-            "tokens": total, "ids": reply["ids"]}  # fmt: skip
+    return {
+        "aggregate": total / reply["wall"],
+        "per_stream": total / n / reply["wall"],
+        "tokens": total,
+        "ids": reply["ids"],
+    }
 
 
 # ----------------------------------------------------------------------------- main
@@ -177,8 +206,12 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=128, help="tokens per stream")
     parser.add_argument("--streams", default="1,2,4,8", help="stream counts")
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm side")
-    parser.add_argument("--long-prompt", type=int, default=1500,
-                        help="tokens of the prompt admitted while 3 streams decode")  # fmt: skip
+    parser.add_argument(
+        "--long-prompt",
+        type=int,
+        default=1500,
+        help="tokens of the prompt admitted while 3 streams decode",
+    )
     parser.add_argument("--out", default="parallel.json", help="file name under bench-results/")
     parser.add_argument("--mlx-lm-worker", metavar="HF_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -190,8 +223,9 @@ def main() -> int:
     most = max(counts)
     sides: dict = {}
     for name, flags in RUNNER_SIDES.items():
-        sides[name] = Streams(["--model", model, "--parallel", str(most), *flags],
-                              f"parallel-{len(sides)}.log")  # fmt: skip
+        sides[name] = Streams(
+            ["--model", model, "--parallel", str(most), *flags], f"parallel-{len(sides)}.log"
+        )
         sides[name].wait_ready()
     tokenize = sides["runner (head)"].tokenize
     if not args.no_mlx_lm:
@@ -202,8 +236,9 @@ def main() -> int:
         python = bench_decode.ensure_bench_venv()
         env = dict(os.environ, PYTHONPATH=bc.ROOT)
         here = os.path.abspath(__file__)
-        sides[MLX_LM] = bc.Worker([python, here, "--mlx-lm-worker", hf_dir],
-                                  "parallel-mlx-lm.log", env=env)  # fmt: skip
+        sides[MLX_LM] = bc.Worker(
+            [python, here, "--mlx-lm-worker", hf_dir], "parallel-mlx-lm.log", env=env
+        )
     runs: dict = {name: {n: [] for n in counts} for name in sides}
     ttft: dict = {name: {n: [] for n in counts} for name in RUNNER_SIDES}
     shares: dict = {name: [] for name in RUNNER_SIDES}
@@ -246,26 +281,58 @@ def report(args, counts, runs, ttft, shares, elapsed) -> None:
             per = bc.median([r["per_stream"] for r in by_n[n]])
             t = ttft.get(name, {}).get(n, [])
             ratio = bc.median([x["ratio"] for x in t]) if t else float("nan")
-            rows.append([name, n, f"{agg:.1f}", f"{per:.1f}", f"{agg / one:.2f}x",
-                         "-" if not t else f"{ratio:.2f}x"])  # fmt: skip
-            summary[f"{name} / {n}"] = {"aggregate": agg, "per_stream": per,
-                                        "vs_one": agg / one, "ttft_ratio": ratio}  # fmt: skip
-    print(bc.markdown_table(["side", "streams", "aggregate tok/s", "per-stream tok/s",
-                             "aggregate / 1 stream", "newcomer TTFT / solo"], rows))  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    n,
+                    f"{agg:.1f}",
+                    f"{per:.1f}",
+                    f"{agg / one:.2f}x",
+                    "-" if not t else f"{ratio:.2f}x",
+                ]
+            )
+            summary[f"{name} / {n}"] = {
+                "aggregate": agg,
+                "per_stream": per,
+                "vs_one": agg / one,
+                "ttft_ratio": ratio,
+            }
+    print(
+        bc.markdown_table(
+            [
+                "side",
+                "streams",
+                "aggregate tok/s",
+                "per-stream tok/s",
+                "aggregate / 1 stream",
+                "newcomer TTFT / solo",
+            ],
+            rows,
+        )
+    )
     for name, got in shares.items():
         if got:
             share = bc.median([g["share"] for g in got])
             ttft_s = bc.median([g["ttft_s"] for g in got])
             long = f"a {args.long_prompt}-token prompt"
-            print(f"{name}: 3 streams keep {share:.2f}x their rate while {long} prefills "
-                  f"(its TTFT {ttft_s:.2f} s)")  # fmt: skip
-    path = bc.write_json(args.out, {
-        "streams": counts, "decode": args.decode, "reps": args.reps, "summary": summary,
-        "runs": {k: {str(n): v for n, v in by.items()} for k, by in runs.items()},
-        "ttft": {k: {str(n): v for n, v in by.items()} for k, by in ttft.items()},
-        "prefill_share": shares,
-        "elapsed_s": elapsed, "environment": bc.environment(),
-    })  # fmt: skip
+            print(
+                f"{name}: 3 streams keep {share:.2f}x their rate while {long} prefills "
+                f"(its TTFT {ttft_s:.2f} s)"
+            )
+    path = bc.write_json(
+        args.out,
+        {
+            "streams": counts,
+            "decode": args.decode,
+            "reps": args.reps,
+            "summary": summary,
+            "runs": {k: {str(n): v for n, v in by.items()} for k, by in runs.items()},
+            "ttft": {k: {str(n): v for n, v in by.items()} for k, by in ttft.items()},
+            "prefill_share": shares,
+            "elapsed_s": elapsed,
+            "environment": bc.environment(),
+        },
+    )
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -167,9 +167,12 @@ def mlx_lm_python() -> str:
 def baseline_tree(rev: str) -> str:
     """``rev`` of this repository exported under bench-results/ (read-only git use)."""
     sha = subprocess.run(
-        ["git", "rev-parse", "--short", rev], cwd=bc.ROOT, capture_output=True, text=True,
+        ["git", "rev-parse", "--short", rev],
+        cwd=bc.ROOT,
+        capture_output=True,
+        text=True,
         check=True,
-    ).stdout.strip()  # fmt: skip
+    ).stdout.strip()
     tree = os.path.join(bc.RESULTS_DIR, f"baseline-{sha}")
     if not os.path.exists(os.path.join(tree, "runner")):
         os.makedirs(tree, exist_ok=True)
@@ -188,8 +191,11 @@ def baseline_tree(rev: str) -> str:
 
 def start_sides(args, model: str, hf_dir: str | None, baseline: str | None) -> dict:
     here = os.path.abspath(__file__)
-    sides = {RUNNER: bc.Worker([sys.executable, here, "--runner-worker", model, bc.ROOT],
-                               "prefill-runner.log")}  # fmt: skip
+    sides = {
+        RUNNER: bc.Worker(
+            [sys.executable, here, "--runner-worker", model, bc.ROOT], "prefill-runner.log"
+        )
+    }
     if baseline is not None:
         sides[BASELINE] = bc.Worker(
             [sys.executable, here, "--runner-worker", model, baseline], "prefill-baseline.log"
@@ -363,13 +369,21 @@ def report(args, model, hf_dir, info, runs, skipped, context, cancels, cancel_to
     path = bc.write_json(
         args.out,
         {
-            "model": model, "hf_export": hf_dir, "baseline": args.baseline, "reps": args.reps,
-            "context_length": context, "skipped_lengths": skipped,
-            "environment": bc.environment(), "info": info, "summary": summary,
-            "cancel": cancel_summary, "cancel_trials": cancels, "runs": runs,
+            "model": model,
+            "hf_export": hf_dir,
+            "baseline": args.baseline,
+            "reps": args.reps,
+            "context_length": context,
+            "skipped_lengths": skipped,
+            "environment": bc.environment(),
+            "info": info,
+            "summary": summary,
+            "cancel": cancel_summary,
+            "cancel_trials": cancels,
+            "runs": runs,
             "elapsed_s": elapsed,
         },
-    )  # fmt: skip
+    )
     print(f"wrote {path}")
 
 

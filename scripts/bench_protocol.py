@@ -75,8 +75,15 @@ def pipe_throughput(frames: int, runs: int) -> dict:
         for run in range(runs + 1):  # the first run warms up
             rid = f"bench-{run}"
             started = time.perf_counter()
-            send(proc, {"type": "completion", "id": rid, "prompt": "abcdefgh",
-                        "options": {"num_predict": frames}})  # fmt: skip
+            send(
+                proc,
+                {
+                    "type": "completion",
+                    "id": rid,
+                    "prompt": "abcdefgh",
+                    "options": {"num_predict": frames},
+                },
+            )
             count, _ = until_done(proc, rid)
             elapsed = time.perf_counter() - started
             assert count == frames, (count, frames)
@@ -114,9 +121,13 @@ def writer_cost(frame: protocol.Frame, n: int) -> float:
 
 def decode_rate(n: int) -> float:
     line = json.dumps(
-        {"type": "completion", "id": "r", "prompt": "Hello " * 40,
-         "options": {"temperature": 0.7, "top_p": 0.9, "stop": ["\n\n"], "num_predict": 128}}
-    ).encode()  # fmt: skip
+        {
+            "type": "completion",
+            "id": "r",
+            "prompt": "Hello " * 40,
+            "options": {"temperature": 0.7, "top_p": 0.9, "stop": ["\n\n"], "num_predict": 128},
+        }
+    ).encode()
     started = time.perf_counter()
     for _ in range(n):
         protocol.decode_request(line)
@@ -132,8 +143,16 @@ def decode_step_ms(tokens: int) -> tuple[float, str]:
     proc = start_runner("--no-draft")
     try:
         prompt = "<|im_start|>user\nTell me a long story.<|im_end|>\n<|im_start|>assistant\n"
-        send(proc, {"type": "completion", "id": "d", "prompt": prompt, "speculative": False,
-                    "options": {"temperature": 0, "num_predict": tokens}})  # fmt: skip
+        send(
+            proc,
+            {
+                "type": "completion",
+                "id": "d",
+                "prompt": prompt,
+                "speculative": False,
+                "options": {"temperature": 0, "num_predict": tokens},
+            },
+        )
         _, done = until_done(proc, "d")
     finally:
         proc.stdin.close()

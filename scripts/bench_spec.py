@@ -61,9 +61,11 @@ def run_one(engine, prompt: str, speculative: bool, tokens: int, sampling: dict)
 
     frames: list = []
     request = Completion(
-        id="b", prompt=CHAT.format(prompt), speculative=speculative,
+        id="b",
+        prompt=CHAT.format(prompt),
+        speculative=speculative,
         options=Options(num_predict=tokens, **sampling),
-    )  # fmt: skip
+    )
     engine.run(engine.prepare(request), frames.append, lambda: False)
     done = frames[-1]
     ids = [t for f in frames if type(f).__name__ == "Token" for t in f.tokens]
@@ -94,10 +96,12 @@ def main() -> int:
         draft = random_head_dir(load_model(model))
     engine = Engine(
         EngineOptions(
-            model_path=model, draft_path=draft, draft_depth=args.depth,
+            model_path=model,
+            draft_path=draft,
+            draft_depth=args.depth,
             weight_layout=args.weight_layout,
         )
-    )  # fmt: skip
+    )
     if engine.head is None:
         print(f"no draft head: {engine.info.mtp_detail}", file=sys.stderr)
         return 1
@@ -109,9 +113,11 @@ def main() -> int:
 
     print(f"tuning: {engine.info.tuning}")
     report: dict = {
-        "head": engine.info.mtp_detail, "tuning": engine.info.tuning, "tokens": args.tokens,
+        "head": engine.info.mtp_detail,
+        "tuning": engine.info.tuning,
+        "tokens": args.tokens,
         "modes": {},
-    }  # fmt: skip
+    }
     rows = []
     for mode in args.modes.split(","):
         sampling = MODES[mode]
@@ -147,8 +153,10 @@ def main() -> int:
                 histogram[a] += n
             depths.append(sp.final_depth)
             per_prompt.append({"plain_tps": tps_p, "spec_tps": tps_s, "depth": sp.final_depth})
-            print(f"  {mode:7s} plain {tps_p:6.2f} tok/s  spec {tps_s:6.2f} tok/s  "
-                  f"x{tps_s / tps_p:.2f}  depth {sp.final_depth}  {prompt[:40]}")  # fmt: skip
+            print(
+                f"  {mode:7s} plain {tps_p:6.2f} tok/s  spec {tps_s:6.2f} tok/s  "
+                f"x{tps_s / tps_p:.2f}  depth {sp.final_depth}  {prompt[:40]}"
+            )
         plain_tps = plain_n / plain_t * 1e9
         spec_tps = spec_n / spec_t * 1e9
         # Position 1 is exact from the round histogram (every round drafts it). Deeper positions
@@ -185,9 +193,11 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for mode, r in rows:
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"])
-        print(f"| {mode} | {r['plain_tps']:.2f} | {r['spec_tps']:.2f} | {r['ratio']:.2f}x | "
-              f"{r['median_prompt_ratio']:.2f}x | "
-              f"{acc} | {sorted(set(r['final_depths']))} |")  # fmt: skip
+        print(
+            f"| {mode} | {r['plain_tps']:.2f} | {r['spec_tps']:.2f} | {r['ratio']:.2f}x | "
+            f"{r['median_prompt_ratio']:.2f}x | "
+            f"{acc} | {sorted(set(r['final_depths']))} |"
+        )
     out = args.out or os.path.join(
         ROOT, "bench-results", "spec-random.json" if args.random_head else "spec.json"
     )

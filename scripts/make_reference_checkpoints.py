@@ -127,10 +127,18 @@ class Spec:
 
 
 BASE = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-    bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=None,
-)  # fmt: skip
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_id=EOS_ID,
+    pad_token_id=None,
+)
 
 
 def cfg(**kw) -> dict:
@@ -785,8 +793,9 @@ def main(argv=None) -> int:
         import reference_moe
 
         print("hybrid_moe ...", file=sys.stderr, flush=True)
-        reference_hybrid_moe.make(sys.modules[__name__], OUT / reference_moe.SUBDIR, summary,
-                                  reference_moe.reference)  # fmt: skip
+        reference_hybrid_moe.make(
+            sys.modules[__name__], OUT / reference_moe.SUBDIR, summary, reference_moe.reference
+        )
         reference_moe.write_readme(OUT / reference_moe.SUBDIR)
     rows = []
     for directory in sorted(p for p in OUT.iterdir() if (p / "reference.json").exists()):

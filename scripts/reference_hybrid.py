@@ -43,10 +43,21 @@ GREEDY = 32
 SUBDIR = "hybrid"
 # Linear-attention shapes: 2 key heads shared by 4 value heads, Dk != Dv (a transposed state
 # or a wrong head grouping cannot pass).
-LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-              linear_value_head_dim=32, linear_conv_kernel_dim=4)  # fmt: skip
-ZERO_CENTRED = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm",
-                "pre_fc_norm_embedding", "pre_fc_norm_hidden")  # fmt: skip
+LINEAR = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+)
+ZERO_CENTRED = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "q_norm",
+    "k_norm",
+    "pre_fc_norm_embedding",
+    "pre_fc_norm_hidden",
+)
 EXERCISES = {
     "qwen3_5_text": "qwen3_5_text, text-only save: 4 layers [linear x3, full] from layer_types; "
     "Gated DeltaNet (2 key / 4 value heads, Dk 16, Dv 32, conv 4, float32 state) and gated "
@@ -69,29 +80,65 @@ EXERCISES = {
 
 def text_config(base) -> dict:
     return dict(
-        vocab_size=base.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=base.EOS_ID,
-        bos_token_id=None, pad_token_id=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
-                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        vocab_size=base.VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        eos_token_id=base.EOS_ID,
+        bos_token_id=None,
+        pad_token_id=None,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
         **LINEAR,
-    )  # fmt: skip
+    )
 
 
 def next_config(base) -> dict:
     return dict(
-        vocab_size=base.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=base.EOS_ID,
-        bos_token_id=None, pad_token_id=None, num_experts=0, full_attention_interval=3,
-        rope_theta=5e5, partial_rotary_factor=0.5, **LINEAR,
-    )  # fmt: skip
+        vocab_size=base.VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=base.EOS_ID,
+        bos_token_id=None,
+        pad_token_id=None,
+        num_experts=0,
+        full_attention_interval=3,
+        rope_theta=5e5,
+        partial_rotary_factor=0.5,
+        **LINEAR,
+    )
 
 
-VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2,
-              temporal_patch_size=1, spatial_merge_size=1, out_hidden_size=64,
-              num_position_embeddings=16, in_channels=3)  # fmt: skip
+VISION = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    patch_size=2,
+    temporal_patch_size=1,
+    spatial_merge_size=1,
+    out_hidden_size=64,
+    num_position_embeddings=16,
+    in_channels=3,
+)
 
 
 # --- weights
@@ -138,12 +185,15 @@ def mtp_tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     """An inline MTP head's tensors (Qwen3-Next naming), random, shaped for ``cfg``: a fusion
     of [embedding; hidden], its two pre-norms, one gated full-attention block and a norm."""
     gen = torch.Generator().manual_seed(seed)
-    h, heads, kv, hd = (cfg[k] for k in ("hidden_size", "num_attention_heads",
-                                         "num_key_value_heads", "head_dim"))  # fmt: skip
+    h, heads, kv, hd = (
+        cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    )
     inter = cfg["intermediate_size"]
     shapes = {
-        "mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
-        "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,),
+        "mtp.fc.weight": (h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": (h,),
+        "mtp.pre_fc_norm_hidden.weight": (h,),
+        "mtp.norm.weight": (h,),
         "mtp.layers.0.input_layernorm.weight": (h,),
         "mtp.layers.0.post_attention_layernorm.weight": (h,),
         "mtp.layers.0.self_attn.q_proj.weight": (2 * heads * hd, h),
@@ -155,7 +205,7 @@ def mtp_tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         "mtp.layers.0.mlp.gate_proj.weight": (inter, h),
         "mtp.layers.0.mlp.up_proj.weight": (inter, h),
         "mtp.layers.0.mlp.down_proj.weight": (h, inter),
-    }  # fmt: skip
+    }
     out = {}
     for name, shape in shapes.items():
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
@@ -191,8 +241,11 @@ def save(model, directory: Path, base, *, extra_tensors=None, config_edit=None) 
         tensors = load_file(str(Path(tmp) / "model.safetensors"))
         config = json.loads((Path(tmp) / "config.json").read_text())
     tensors.update(extra_tensors or {})
-    save_file({k: v.contiguous() for k, v in sorted(tensors.items())},
-              str(directory / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: v.contiguous() for k, v in sorted(tensors.items())},
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     if config_edit is not None:
         config_edit(config)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -204,8 +257,9 @@ def multimodal(text_model, config: dict):
     vision tower."""
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    cfg = Qwen3_5Config(text_config=config, vision_config=VISION,
-                        tie_word_embeddings=config["tie_word_embeddings"])  # fmt: skip
+    cfg = Qwen3_5Config(
+        text_config=config, vision_config=VISION, tie_word_embeddings=config["tie_word_embeddings"]
+    )
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(cfg)
     state = {}
@@ -243,8 +297,9 @@ def greedy_steps(base, steps: int):
         base.GREEDY = old
 
 
-def reference(base, out: Path, case: str, family: str, make, summary: list, *, prompts=None,
-              extra=None) -> tuple:  # fmt: skip
+def reference(
+    base, out: Path, case: str, family: str, make, summary: list, *, prompts=None, extra=None
+) -> tuple:
     start = time.perf_counter()
     with greedy_steps(base, GREEDY):
         if prompts is None:
@@ -254,10 +309,19 @@ def reference(base, out: Path, case: str, family: str, make, summary: list, *, p
     worst = max(r["cache_vs_full"] for r in results)
     assert worst < 1e-4, f"{case}: transformers' cache path differs from a full forward by {worst}"
     meta = base.write_reference(
-        out / case, case, family, EXERCISES[case], prompts, results,
-        {"config_layout": (extra or {}).pop("layout", "as transformers 5 saves it"),
-         "weights_dtype": "float32", "prompt_seed_attempts": attempts, **(extra or {})},
-    )  # fmt: skip
+        out / case,
+        case,
+        family,
+        EXERCISES[case],
+        prompts,
+        results,
+        {
+            "config_layout": (extra or {}).pop("layout", "as transformers 5 saves it"),
+            "weights_dtype": "float32",
+            "prompt_seed_attempts": attempts,
+            **(extra or {}),
+        },
+    )
     summary.append((meta, time.perf_counter() - start))
     return prompts, results
 
@@ -269,8 +333,13 @@ def convert_mlx(source: Path, directory: Path, base) -> None:
         shutil.rmtree(directory)
     convert(str(source), str(directory), dtype="float32")
     base.write_support_files(directory)
-    keep = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json")  # fmt: skip
+    keep = (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    )
     for extra in directory.iterdir():
         if extra.name not in keep:
             extra.unlink()
@@ -292,19 +361,29 @@ def make(base, summary: list) -> None:
     cfg = text_config(base)
     text = build("qwen3_5_text", cfg, zlib.crc32(b"qwen3_5_text"))
     save(text, out / "qwen3_5_text", base)
-    prompts, results = reference(base, out, "qwen3_5_text", "qwen3_5_text",
-                                 loader(out / "qwen3_5_text"), summary)  # fmt: skip
+    prompts, results = reference(
+        base, out, "qwen3_5_text", "qwen3_5_text", loader(out / "qwen3_5_text"), summary
+    )
 
     def nest(config: dict) -> None:
         config["text_config"]["mtp_num_hidden_layers"] = 1
 
     vl = multimodal(text, copy.deepcopy(cfg))
     save(vl, out / "qwen3_5_vl", base, extra_tensors=mtp_tensors(cfg, 11), config_edit=nest)
-    _, vl_results = reference(base, out, "qwen3_5_vl", "qwen3_5", loader(out / "qwen3_5_vl", True),
-                              summary, prompts=prompts,
-                              extra={"layout": "nested text_config (Qwen3_5Config)"})  # fmt: skip
-    gap = max(float(np.abs(a["prompt_logits"] - b["prompt_logits"]).max())
-              for a, b in zip(results, vl_results, strict=True))  # fmt: skip
+    _, vl_results = reference(
+        base,
+        out,
+        "qwen3_5_vl",
+        "qwen3_5",
+        loader(out / "qwen3_5_vl", True),
+        summary,
+        prompts=prompts,
+        extra={"layout": "nested text_config (Qwen3_5Config)"},
+    )
+    gap = max(
+        float(np.abs(a["prompt_logits"] - b["prompt_logits"]).max())
+        for a, b in zip(results, vl_results, strict=True)
+    )
     assert gap < 1e-5 and all(
         a["greedy"] == b["greedy"] for a, b in zip(results, vl_results, strict=True)
     ), gap
@@ -313,10 +392,20 @@ def make(base, summary: list) -> None:
     theirs = mlx_lm_logits(out / "qwen3_5_mlx", prompts[0])
     mlx_gap = float(np.abs(theirs - results[0]["prompt_logits"]).max())
     assert mlx_gap < 1e-3, f"mlx-lm reads its own conversion differently: {mlx_gap}"
-    reference(base, out, "qwen3_5_mlx", "qwen3_5", loader(out / "qwen3_5_vl", True), summary,
-              prompts=prompts, extra={"layout": "mlx_lm.convert of qwen3_5_vl",
-                                      "converted_from": "qwen3_5_vl",
-                                      "mlx_lm_prompt0_logits_vs_reference": mlx_gap})  # fmt: skip
+    reference(
+        base,
+        out,
+        "qwen3_5_mlx",
+        "qwen3_5",
+        loader(out / "qwen3_5_vl", True),
+        summary,
+        prompts=prompts,
+        extra={
+            "layout": "mlx_lm.convert of qwen3_5_vl",
+            "converted_from": "qwen3_5_vl",
+            "mlx_lm_prompt0_logits_vs_reference": mlx_gap,
+        },
+    )
 
     ncfg = next_config(base)
     nxt = build("qwen3_next", ncfg, zlib.crc32(b"qwen3_next_dense"))
@@ -324,13 +413,26 @@ def make(base, summary: list) -> None:
     def old_layout(config: dict) -> None:
         config.pop("rope_parameters", None)
         config.pop("layer_types", None)
-        config.update(rope_theta=5e5, partial_rotary_factor=0.5, full_attention_interval=3,
-                      rope_scaling=None, num_nextn_predict_layers=1)  # fmt: skip
+        config.update(
+            rope_theta=5e5,
+            partial_rotary_factor=0.5,
+            full_attention_interval=3,
+            rope_scaling=None,
+            num_nextn_predict_layers=1,
+        )
 
     save(nxt, out / "qwen3_next_dense", base, config_edit=old_layout)
-    reference(base, out, "qwen3_next_dense", "qwen3_next", loader(out / "qwen3_next_dense"),
-              summary, extra={"layout": "old (top-level rope_theta / partial_rotary_factor, "
-                              "full_attention_interval)"})  # fmt: skip
+    reference(
+        base,
+        out,
+        "qwen3_next_dense",
+        "qwen3_next",
+        loader(out / "qwen3_next_dense"),
+        summary,
+        extra={
+            "layout": "old (top-level rope_theta / partial_rotary_factor, full_attention_interval)"
+        },
+    )
     rows = [f"| `{c}` | {EXERCISES[c]} |" for c in EXERCISES]
     (out / "README.md").write_text(
         "# Hybrid reference checkpoints\n\nWritten by `scripts/reference_hybrid.py` (see its "

@@ -33,8 +33,12 @@ import numpy as np
 import reference_hybrid as hybrid
 import torch
 
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-           shared_expert_intermediate_size=32)  # fmt: skip
+MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=32,
+)
 EXERCISES = {
     "qwen3_5_moe": "qwen3_5_moe in the released layout (nested text_config, "
     "model.language_model.*, tiny vision tower, fused experts.gate_up_proj / down_proj): 4 "
@@ -58,8 +62,13 @@ def text_config(base) -> dict:
 
 
 def next_config(base) -> dict:
-    return dict(hybrid.next_config(base), **MOE, mlp_only_layers=[1], norm_topk_prob=False,
-                decoder_sparse_step=1)  # fmt: skip
+    return dict(
+        hybrid.next_config(base),
+        **MOE,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+    )
 
 
 def randomize(model: torch.nn.Module, seed: int, tied: bool) -> None:
@@ -87,8 +96,11 @@ def build(kind: str, config: dict, seed: int):
     if kind == "qwen3_next":
         model = Qwen3NextForCausalLM(Qwen3NextConfig(**config))
     else:
-        cfg = Qwen3_5MoeConfig(text_config=config, vision_config=hybrid.VISION,
-                               tie_word_embeddings=config["tie_word_embeddings"])  # fmt: skip
+        cfg = Qwen3_5MoeConfig(
+            text_config=config,
+            vision_config=hybrid.VISION,
+            tie_word_embeddings=config["tie_word_embeddings"],
+        )
         model = Qwen3_5MoeForConditionalGeneration(cfg)
     model.config._attn_implementation = "eager"
     randomize(model, seed, bool(config["tie_word_embeddings"]))
@@ -104,11 +116,18 @@ def mtp_tensors(cfg: dict, seed: int, per_expert: bool) -> dict[str, torch.Tenso
     """An inline MTP head (``reference_hybrid.mtp_tensors``' attention, norms and fusion) whose
     block's MLP is a sparse one: router, experts (per expert, or fused ``gate_up_proj`` /
     ``down_proj`` as the target's were saved), shared expert and its gate."""
-    out = {k: v for k, v in hybrid.mtp_tensors(dict(cfg, intermediate_size=1), seed).items()
-           if ".mlp." not in k}  # fmt: skip
+    out = {
+        k: v
+        for k, v in hybrid.mtp_tensors(dict(cfg, intermediate_size=1), seed).items()
+        if ".mlp." not in k
+    }
     gen = torch.Generator().manual_seed(seed + 1)
-    d, e, i, s = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"], cfg[
-        "shared_expert_intermediate_size"]  # fmt: skip
+    d, e, i, s = (
+        cfg["hidden_size"],
+        cfg["num_experts"],
+        cfg["moe_intermediate_size"],
+        cfg["shared_expert_intermediate_size"],
+    )
     mlp = "mtp.layers.0.mlp."
 
     def rand(*shape: int, gain: float = 1.0) -> torch.Tensor:
@@ -148,8 +167,11 @@ def save_fused(model, directory: Path, base, extra: dict, config_edit) -> None:
     if model.config.tie_word_embeddings:  # a tied head is not stored (as save_pretrained does)
         tensors.pop("lm_head.weight")
     tensors.update(extra)
-    save_file(dict(sorted(tensors.items())), str(directory / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        dict(sorted(tensors.items())),
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def make(base, out: Path, summary: list, reference) -> None:
@@ -165,21 +187,36 @@ def make(base, out: Path, summary: list, reference) -> None:
     save_fused(model, first, base, mtp_tensors(cfg, 13, per_expert=False), nest)
     assert not saved_per_expert(first)
     prompts, results = reference(
-        base, out, "qwen3_5_moe", "qwen3_5_moe", hybrid.loader(first, vl=True), summary,
-        extra={"config_layout": "nested text_config (Qwen3_5MoeConfig)",
-               "experts_saved": "fused (gate_up_proj, down_proj)"},
-    )  # fmt: skip
+        base,
+        out,
+        "qwen3_5_moe",
+        "qwen3_5_moe",
+        hybrid.loader(first, vl=True),
+        summary,
+        extra={
+            "config_layout": "nested text_config (Qwen3_5MoeConfig)",
+            "experts_saved": "fused (gate_up_proj, down_proj)",
+        },
+    )
 
     hybrid.convert_mlx(first, out / "qwen3_5_moe_mlx", base)
     theirs = hybrid.mlx_lm_logits(out / "qwen3_5_moe_mlx", prompts[0])
     gap = float(np.abs(theirs - results[0]["prompt_logits"]).max())
     assert gap < 1e-3, f"mlx-lm reads its own conversion differently: {gap}"
     reference(
-        base, out, "qwen3_5_moe_mlx", "qwen3_5_moe", hybrid.loader(first, vl=True), summary,
-        prompts=prompts, extra={"config_layout": "mlx_lm.convert of qwen3_5_moe",
-                                "converted_from": "qwen3_5_moe",
-                                "mlx_lm_prompt0_logits_vs_reference": gap},
-    )  # fmt: skip
+        base,
+        out,
+        "qwen3_5_moe_mlx",
+        "qwen3_5_moe",
+        hybrid.loader(first, vl=True),
+        summary,
+        prompts=prompts,
+        extra={
+            "config_layout": "mlx_lm.convert of qwen3_5_moe",
+            "converted_from": "qwen3_5_moe",
+            "mlx_lm_prompt0_logits_vs_reference": gap,
+        },
+    )
 
     ncfg = next_config(base)
     nxt = build("qwen3_next", copy.deepcopy(ncfg), zlib.crc32(b"qwen3_next_moe"))
@@ -190,8 +227,16 @@ def make(base, out: Path, summary: list, reference) -> None:
     def declare(config: dict) -> None:
         config["num_nextn_predict_layers"] = 1
 
-    hybrid.save(nxt, target, base, extra_tensors=mtp_tensors(ncfg, 17, layout),
-                config_edit=declare)  # fmt: skip
-    reference(base, out, "qwen3_next_moe", "qwen3_next", hybrid.loader(target), summary,
-              extra={"config_layout": "as transformers 5 saves it",
-                     "experts_saved": "per expert" if layout else "fused"})  # fmt: skip
+    hybrid.save(nxt, target, base, extra_tensors=mtp_tensors(ncfg, 17, layout), config_edit=declare)
+    reference(
+        base,
+        out,
+        "qwen3_next_moe",
+        "qwen3_next",
+        hybrid.loader(target),
+        summary,
+        extra={
+            "config_layout": "as transformers 5 saves it",
+            "experts_saved": "per expert" if layout else "fused",
+        },
+    )

@@ -25,9 +25,13 @@ SPECIAL = {
     "qwen2_5": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
     "qwen3": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
     "mistral": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
-    "smollm2": {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-                "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"},
-}  # fmt: skip
+    "smollm2": {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|im_end|>",
+    },
+}
 
 WEATHER = {
     "type": "function",
@@ -44,8 +48,11 @@ WEATHER = {
         },
     },
 }
-CALL = {"id": "call12345", "type": "function",
-        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}  # fmt: skip
+CALL = {
+    "id": "call12345",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+}
 
 U = {"role": "user", "content": "What is the capital of France?"}
 A = {"role": "assistant", "content": "The capital of France is Paris."}
@@ -74,8 +81,12 @@ def conversations(name: str) -> list[dict]:
         return cases
     weather_q = {"role": "user", "content": "What is the weather in Paris?"}
     call = {"role": "assistant", "content": "", "tool_calls": [CALL]}
-    result = {"role": "tool", "tool_call_id": "call12345", "name": "get_weather",
-              "content": "{\"temperature\": 18, \"unit\": \"celsius\"}"}  # fmt: skip
+    result = {
+        "role": "tool",
+        "tool_call_id": "call12345",
+        "name": "get_weather",
+        "content": '{"temperature": 18, "unit": "celsius"}',
+    }
     cases += [
         {"messages": [weather_q], "tools": [WEATHER]},
         {"messages": [SYS, weather_q], "tools": [WEATHER]},
@@ -83,8 +94,11 @@ def conversations(name: str) -> list[dict]:
     ]
     if name == "qwen3":
         cases.append({"messages": [U], "template_kwargs": {"enable_thinking": False}})
-        thought = {"role": "assistant", "content": "Paris.",
-                   "reasoning_content": "The user asks for a capital."}  # fmt: skip
+        thought = {
+            "role": "assistant",
+            "content": "Paris.",
+            "reasoning_content": "The user asks for a capital.",
+        }
         cases[5] = {"messages": [U, thought, U2]}
     else:
         cases.append({"messages": [U, A, U2, {"role": "assistant", "content": "Rome."}, U]})
@@ -111,14 +125,20 @@ def main() -> int:
             entry = dict(case)
             try:
                 entry["expected"] = tok.apply_chat_template(
-                    case["messages"], tools=case.get("tools"), tokenize=False,
-                    add_generation_prompt=case.get("add_generation_prompt", True), **kwargs,
-                )  # fmt: skip
+                    case["messages"],
+                    tools=case.get("tools"),
+                    tokenize=False,
+                    add_generation_prompt=case.get("add_generation_prompt", True),
+                    **kwargs,
+                )
             except Exception as exc:  # a template's raise_exception: the runner must refuse too
                 entry["error"] = str(exc)
             cases.append(entry)
-        record = {"special_tokens": special, "transformers": transformers.__version__,
-                  "cases": cases}  # fmt: skip
+        record = {
+            "special_tokens": special,
+            "transformers": transformers.__version__,
+            "cases": cases,
+        }
         with open(os.path.join(HERE, f"{name}.json"), "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1, ensure_ascii=False)
             f.write("\n")

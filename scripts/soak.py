@@ -47,9 +47,15 @@ QUESTIONS = [
 FILLER = " ".join(f"Fact {i}: the number {i} comes after {i - 1}." for i in range(1, 400))
 LONG_CHARS = (3000, 9000)  # long prompts: ~1,000 to ~3,000 tokens
 KINDS = {  # kind: weight
-    "greedy": 6, "seeded": 4, "stop": 2, "logprobs": 2, "think": 2, "long": 1, "cancel": 2,
+    "greedy": 6,
+    "seeded": 4,
+    "stop": 2,
+    "logprobs": 2,
+    "think": 2,
+    "long": 1,
+    "cancel": 2,
     "fuzz": 3,
-}  # fmt: skip
+}
 
 
 class Runner:
@@ -147,8 +153,9 @@ FUZZ_BATCH = (20, 500)  # fuzzed lines per batch: at least (when on pace), at mo
 
 
 class Soak:
-    def __init__(self, runner: Runner, rng: random.Random, fuzz_lines: int = 0,
-                 progress=lambda: 1.0) -> None:  # fmt: skip
+    def __init__(
+        self, runner: Runner, rng: random.Random, fuzz_lines: int = 0, progress=lambda: 1.0
+    ) -> None:
         self.runner, self.rng = runner, rng
         # Fuzzed lines are paced to reach ``fuzz_lines`` by the end (``progress``: the share
         # of the run gone by), however many requests of the other kinds the run gets through.
@@ -228,9 +235,13 @@ class Soak:
         prompt, top = self._question(), self.rng.choice([0, 2])
         options = {"temperature": 0, "num_predict": 16}
         tokens, _ = self._request(
-            "logprobs", prompt, ("greedy", prompt, 16), options=options, logprobs=True,
+            "logprobs",
+            prompt,
+            ("greedy", prompt, 16),
+            options=options,
+            logprobs=True,
             top_logprobs=top,
-        )  # fmt: skip
+        )
         for frame in tokens:
             entries = frame.get("logprobs") or []
             if [e["id"] for e in entries] != frame["tokens"] or any(
@@ -257,8 +268,14 @@ class Soak:
 
     def _cancel(self) -> None:
         rid = self._id("cancel")
-        self.runner.send({"type": "completion", "id": rid, "prompt": self._question(),
-                          "options": {"temperature": 0, "num_predict": 200}})  # fmt: skip
+        self.runner.send(
+            {
+                "type": "completion",
+                "id": rid,
+                "prompt": self._question(),
+                "options": {"temperature": 0, "num_predict": 200},
+            }
+        )
         time.sleep(self.rng.random() * 0.4)
         self.runner.send({"type": "cancel", "id": rid})
         _, done = self.runner.completion(rid)
@@ -276,8 +293,9 @@ class Soak:
     def _fuzz(self, count: int | None = None) -> None:
         if count is None:
             behind = int(self.fuzz_lines * self.progress()) - self.counts["fuzzed_lines"]
-            count = min(max(behind, self.rng.randrange(FUZZ_BATCH[0], 4 * FUZZ_BATCH[0])),
-                        FUZZ_BATCH[1])  # fmt: skip
+            count = min(
+                max(behind, self.rng.randrange(FUZZ_BATCH[0], 4 * FUZZ_BATCH[0])), FUZZ_BATCH[1]
+            )
         lines = [fuzz_line(self.rng) for _ in range(count)]
         for line in lines:
             self.runner.send(line)
@@ -304,21 +322,37 @@ def main() -> int:
     parser.add_argument("--cache-bytes", type=int, default=48 << 20)
     parser.add_argument("--head-fault-after", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fuzz-per-minute", type=int, default=1000,
-                        help="fuzzed lines to send per minute of the run, paced")  # fmt: skip
+    parser.add_argument(
+        "--fuzz-per-minute",
+        type=int,
+        default=1000,
+        help="fuzzed lines to send per minute of the run, paced",
+    )
     parser.add_argument("--json", default=None, help="where to write the report")
     args = parser.parse_args()
 
     os.makedirs(RESULTS_DIR, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    cmd = [sys.executable, "-m", "runner", "--model", args.model or default_model_path(),
-           "--cache-bytes", str(args.cache_bytes),
-           "--head-fault-after", str(args.head_fault_after)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "runner",
+        "--model",
+        args.model or default_model_path(),
+        "--cache-bytes",
+        str(args.cache_bytes),
+        "--head-fault-after",
+        str(args.head_fault_after),
+    ]
     runner = Runner(cmd, os.path.join(RESULTS_DIR, f"soak-{stamp}.stderr.log"))
     started = time.monotonic()
     deadline = started + args.minutes * 60
-    soak = Soak(runner, random.Random(args.seed), int(args.fuzz_per_minute * args.minutes),
-                lambda: min(1.0, (time.monotonic() - started) / (deadline - started)))  # fmt: skip
+    soak = Soak(
+        runner,
+        random.Random(args.seed),
+        int(args.fuzz_per_minute * args.minutes),
+        lambda: min(1.0, (time.monotonic() - started) / (deadline - started)),
+    )
     rss: list[tuple[float, int]] = [(0.0, runner.rss())]
     # Warm-up: every kind once (the longest prompt included, so the allocator has seen the
     # largest buffers), then the first fifth of the run; RSS growth is measured from there.
@@ -366,10 +400,15 @@ def main() -> int:
         "environment": environment(),
     }
     rows = [[k, v] for k, v in sorted(counts.items())]
-    rows += [["lines sent", runner.lines], ["head faults", faults],
-             ["RSS after warm-up -> end (MB)",
-              f"{(warm_rss or 0) / 2**20:.0f} -> {final_rss / 2**20:.0f} ({growth:+.1%})"],
-             ["failures", len(soak.failures)]]  # fmt: skip
+    rows += [
+        ["lines sent", runner.lines],
+        ["head faults", faults],
+        [
+            "RSS after warm-up -> end (MB)",
+            f"{(warm_rss or 0) / 2**20:.0f} -> {final_rss / 2**20:.0f} ({growth:+.1%})",
+        ],
+        ["failures", len(soak.failures)],
+    ]
     print(markdown_table(["what", "count"], rows))
     path = args.json or os.path.join(RESULTS_DIR, f"soak-{stamp}.json")
     with open(path, "w") as f:

@@ -74,8 +74,11 @@ def model_config(
 ) -> dict:
     config = {
         "model_type": model_type,
-        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
-            model_type, "LlamaForCausalLM")],
+        "architectures": [
+            {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
+                model_type, "LlamaForCausalLM"
+            )
+        ],
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "num_hidden_layers": num_hidden_layers,
@@ -86,7 +89,7 @@ def model_config(
         "rope_theta": 10000.0,
         "tie_word_embeddings": tie_word_embeddings,
         "max_position_embeddings": max_position_embeddings,
-    }  # fmt: skip
+    }
     if model_type == "qwen3":
         config["head_dim"] = hidden_size // num_attention_heads
     if rope_scaling:

@@ -160,7 +160,7 @@ def test_interleaved_multi_turn_chats_keep_their_prefix_hits(engine):
         reqs = [
             Completion(
                 id=f"{k}{turn}", prompt=history[k], options=Options(temperature=0, num_predict=12)
-            )  # fmt: skip
+            )
             for k in history
         ]
         outs, _ = together(engine, reqs)
@@ -193,7 +193,7 @@ def test_tiny_models_of_each_batched_family_match_alone(checkpoint_factory):
                 id=f"{family}{i}",
                 tokens=[5 + i, 17, 33 + 3 * i],
                 options=Options(temperature=0, num_predict=10 + i),
-            )  # fmt: skip
+            )
             for i in range(5)
         ]
         expected = {r.id: alone(engine, r).ids for r in reqs}
@@ -212,7 +212,7 @@ def test_think_budgets_close_the_span_in_shared_forwards_as_alone(engine):
             prompt=CHAT.format(q) + "<think>\n",
             think_budget=2 + 3 * i,
             options=Options(temperature=0, num_predict=20 + i),
-        )  # fmt: skip
+        )
         for i, q in enumerate(QUESTIONS[:4])
     ]
     solo = {r.id: alone(engine, r) for r in reqs}
@@ -235,7 +235,7 @@ def test_logprobs_and_stop_strings_in_shared_forwards_equal_alone(engine):
             top_logprobs=3,
             speculative=False,
             options=Options(temperature=0, num_predict=16, stop=[".", "\n"] if i % 2 else None),
-        )  # fmt: skip
+        )
         for i, q in enumerate(QUESTIONS[:3])
     ]
     solo = {r.id: alone(engine, r) for r in reqs}
@@ -258,10 +258,14 @@ def test_constrained_streams_in_shared_forwards_equal_alone(engine):
     reqs = []
     for i, (topic, schema) in enumerate(SCHEMAS[:3]):
         ask = f"Reply with JSON only matching this JSON Schema: {json.dumps(schema)}. Give {topic}."
-        reqs.append(Completion(
-            id=f"j{i}", messages=[{"role": "user", "content": ask}], format=schema,
-            options=Options(temperature=0.0 if i % 2 == 0 else 0.7, seed=3, num_predict=80),
-        ))  # fmt: skip
+        reqs.append(
+            Completion(
+                id=f"j{i}",
+                messages=[{"role": "user", "content": ask}],
+                format=schema,
+                options=Options(temperature=0.0 if i % 2 == 0 else 0.7, seed=3, num_predict=80),
+            )
+        )
     reqs.append(request("free", QUESTIONS[0], num_predict=30))
     solo = {r.id: alone(engine, r) for r in reqs}
     outs, scheduler = together(engine, reqs)
@@ -295,8 +299,7 @@ def test_a_prompt_waiting_for_its_turn_sees_its_cancel_at_once(engine):
     """Behind a long prompt that prefills a chunk a step, a waiting request's cancel ends it
     at the next step, with a cancelled done, and leaves the long prompt's answer unchanged."""
     long_prompt = CHAT.format(" ".join(QUESTIONS * 12))
-    first = Completion(id="long", prompt=long_prompt, options=Options(temperature=0,
-                       num_predict=4))  # fmt: skip
+    first = Completion(id="long", prompt=long_prompt, options=Options(temperature=0, num_predict=4))
     expected = alone(engine, first).ids
     engine.prefix.clear()
     scheduler = Scheduler(engine)

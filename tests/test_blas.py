@@ -41,8 +41,13 @@ print(json.dumps({"name": blas.blas_in_use(), "err": err, "threads": threads,
 
 def probe(**env: str) -> dict:
     # The runner's BLAS switches and MKL's own settings come only from ``env``.
-    ours = ("MTP_RUNNER_BLAS", "MTP_RUNNER_NO_OPENBLAS", "MTP_RUNNER_MKL", "MTP_RUNNER_OPENBLAS",
-            "MTP_RUNNER_DECODE_THREADS")  # fmt: skip
+    ours = (
+        "MTP_RUNNER_BLAS",
+        "MTP_RUNNER_NO_OPENBLAS",
+        "MTP_RUNNER_MKL",
+        "MTP_RUNNER_OPENBLAS",
+        "MTP_RUNNER_DECODE_THREADS",
+    )
     full = {k: v for k, v in os.environ.items() if k not in ours and not k.startswith("MKL_")}
     full.update(env)
     out = subprocess.run(

@@ -188,9 +188,14 @@ def run_property(model, pc: PrefixCache, requests: int, seed: int, draft=None) -
         extra = tuple(rng.randint(1, len(prompt)) for _ in range(rng.randint(0, 2)))
         bytes_before = pc.nbytes
         served = serve(
-            model, pc, prompt, gen=rng.randint(0, 5), stop_at=stop_at, extra_ends=extra,
+            model,
+            pc,
+            prompt,
+            gen=rng.randint(0, 5),
+            stop_at=stop_at,
+            extra_ends=extra,
             draft=draft,
-        )  # fmt: skip
+        )
         if served.cancelled and not served.positions:
             # The cache already held everything up to the cancel point: nothing evaluated.
             assert stop_at <= served.cached
@@ -218,8 +223,9 @@ def test_cached_runs_equal_fresh_runs_over_random_request_sequences(model):
 def test_pair_keys_with_a_draft_cache_over_random_request_sequences(model):
     """Pair keys: every restore also leaves the draft slots right (DraftWriter.check)."""
     draft = DraftWriter(model.args.vocab_size)
-    pc = PrefixCache([*model.make_caches(), KVCache()], 96 * 1024, pair_keys=True,
-                     snapshot_interval=16)  # fmt: skip
+    pc = PrefixCache(
+        [*model.make_caches(), KVCache()], 96 * 1024, pair_keys=True, snapshot_interval=16
+    )
     stats = run_property(model, pc, 100, seed=99, draft=draft)
     assert stats["hits"] >= 40 and stats["full"] >= 5 and stats["evicted"] >= 5
 

@@ -28,10 +28,11 @@ def fixture(name: str) -> tuple[str, dict]:
 
 def render(template: ChatTemplate, case: dict) -> str:
     return template.render(
-        case["messages"], tools=case.get("tools"),
+        case["messages"],
+        tools=case.get("tools"),
         add_generation_prompt=case.get("add_generation_prompt", True),
         template_kwargs=case.get("template_kwargs"),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -54,8 +55,10 @@ def with_template(checkpoint: str, tmp_path, name: str, how: str) -> str:
     if how == "config":
         config["chat_template"] = text
     elif how == "named":
-        config["chat_template"] = [{"name": "default", "template": "{{ 'plain' }}"},
-                                   {"name": "tool_use", "template": text}]  # fmt: skip
+        config["chat_template"] = [
+            {"name": "default", "template": "{{ 'plain' }}"},
+            {"name": "tool_use", "template": text},
+        ]
     elif how == "jinja":
         (path / "chat_template.jinja").write_text(text, encoding="utf-8")
         config["chat_template"] = "{{ 'the jinja file wins' }}"
@@ -152,8 +155,11 @@ async def test_a_second_turn_reuses_the_first_turns_cache(chat_runner):
     await runner.send({"type": "completion", "id": "c1", "messages": first, "options": greedy})
     frames, done1 = await runner.completion("c1")
     answer = text_of(frames)
-    second = [*first, {"role": "assistant", "content": answer},
-              {"role": "user", "content": "and of Italy"}]  # fmt: skip
+    second = [
+        *first,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "and of Italy"},
+    ]
     await runner.send({"type": "completion", "id": "c2", "messages": second, "options": greedy})
     _, done2 = await runner.completion("c2")
     assert done2["prompt_cached_tokens"] >= done1["prompt_tokens"]
@@ -181,12 +187,20 @@ async def test_bad_messages_get_an_error_frame_and_the_runner_serves_on(chat_run
     assert "tokenizer_config.json" in frame["message"]
     await plain.send({"type": "tokenize", "id": "none-t", "messages": TURN1})
     assert (await plain.reply("none-t"))["code"] == "bad_request"
-    await runner.send({"type": "completion", "id": "ok", "messages": TURN1,
-                       "options": {"num_predict": 2}})  # fmt: skip
+    await runner.send(
+        {"type": "completion", "id": "ok", "messages": TURN1, "options": {"num_predict": 2}}
+    )
     _, done = await runner.completion("ok")
     assert done["eval_tokens"] >= 1
     # Constrained on the small random model too: whatever it writes is the start of an object.
-    await runner.send({"type": "completion", "id": "fmt", "messages": TURN1, "format": "json",
-                       "options": {"num_predict": 12, "temperature": 0.9, "seed": 1}})  # fmt: skip
+    await runner.send(
+        {
+            "type": "completion",
+            "id": "fmt",
+            "messages": TURN1,
+            "format": "json",
+            "options": {"num_predict": 12, "temperature": 0.9, "seed": 1},
+        }
+    )
     frames, done = await runner.completion("fmt")
     assert text_of(frames).lstrip().startswith("{") and done["eval_tokens"] >= 1

@@ -53,16 +53,21 @@ def checkpoint_with(path, tensors: dict[str, mx.array]) -> str:
 def target_info(loaded) -> dict:
     args = loaded.model.args
     return {
-        "model_type": args.model_type, "hidden_size": args.hidden_size,
-        "vocab_size": args.vocab_size, "num_hidden_layers": args.num_hidden_layers,
-    }  # fmt: skip
+        "model_type": args.model_type,
+        "hidden_size": args.hidden_size,
+        "vocab_size": args.vocab_size,
+        "num_hidden_layers": args.num_hidden_layers,
+    }
 
 
 def sidecar(path, head, loaded, **kwargs) -> str:
     return write_sidecar(
-        os.fspath(path), head, naming=kwargs.pop("naming", "qwen3_next"),
-        target=target_info(loaded), **kwargs,
-    )  # fmt: skip
+        os.fspath(path),
+        head,
+        naming=kwargs.pop("naming", "qwen3_next"),
+        target=target_info(loaded),
+        **kwargs,
+    )
 
 
 def prefill_and_propose(loaded, head, k: int = 4, seed: int = 3):
@@ -125,8 +130,9 @@ def test_loaded_head_equals_the_unpacked_module(base, tmp_path):
     np.testing.assert_allclose(
         np.array(got(tokens, hidden, KVCache())),
         np.array(head(tokens, hidden, KVCache())),
-        atol=1e-5, rtol=1e-5,
-    )  # fmt: skip
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["float16", "bfloat16"])
@@ -425,9 +431,11 @@ def test_real_head_stays_level_with_the_target_and_commits_target_pairs(base, tm
     assert ref.offset == cache.offset
     for a, b in ((cache.keys, ref.keys), (cache.values, ref.values)):
         np.testing.assert_allclose(
-            np.array(a[..., : ref.offset, :]), np.array(b[..., : ref.offset, :]),
-            atol=1e-4, rtol=1e-4,
-        )  # fmt: skip
+            np.array(a[..., : ref.offset, :]),
+            np.array(b[..., : ref.offset, :]),
+            atol=1e-4,
+            rtol=1e-4,
+        )
 
 
 @pytest.mark.default_model

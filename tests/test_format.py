@@ -14,59 +14,121 @@ from runner.engine import Engine, EngineOptions, RequestError
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0,
-                                                       "maximum": 150}},
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
-}  # fmt: skip
+}
 SCHEMAS = [
     ("a person", PERSON),
-    ("a city and its country", {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
-        "required": ["city", "country"], "additionalProperties": False}),
-    ("three colours", {
-        "type": "object",
-        "properties": {"colours": {"type": "array", "items": {"type": "string"},
-                                   "minItems": 3, "maxItems": 3}},
-        "required": ["colours"]}),
-    ("the weather today", {
-        "type": "object",
-        "properties": {"sky": {"enum": ["sunny", "cloudy", "rainy"]},
-                       "celsius": {"type": "number", "minimum": -40, "maximum": 50}},
-        "required": ["sky", "celsius"]}),
-    ("a book with its author", {
-        "type": "object",
-        "properties": {"title": {"type": "string"},
-                       "author": {"type": "object", "properties": {"first": {"type": "string"},
-                                                                   "last": {"type": "string"}},
-                                  "required": ["first", "last"]}},
-        "required": ["title", "author"]}),
-    ("a list of two people", {
-        "type": "object",
-        "properties": {"people": {"type": "array", "items": PERSON, "minItems": 2,
-                                  "maxItems": 2}},
-        "required": ["people"]}),
-    ("a yes or no answer to: is water wet?", {
-        "type": "object", "properties": {"answer": {"type": "boolean"}},
-        "required": ["answer"]}),
-    ("an id that is a number or a short code", {
-        "type": "object",
-        "properties": {"id": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 999},
-                                        {"type": "string", "pattern": "^[A-Z]{3}$"}]}},
-        "required": ["id"]}),
-    ("a rating of a film", {
-        "type": "object",
-        "properties": {"film": {"type": "string", "maxLength": 40},
-                       "stars": {"type": "integer", "enum": [1, 2, 3, 4, 5]}},
-        "required": ["film", "stars"]}),
-    ("a shopping list", {
-        "type": "array",
-        "items": {"type": "object",
-                  "properties": {"item": {"type": "string", "maxLength": 20},
-                                 "count": {"type": "integer", "minimum": 1, "maximum": 12}},
-                  "required": ["item", "count"]},
-        "minItems": 1, "maxItems": 3}),
-]  # fmt: skip
+    (
+        "a city and its country",
+        {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+            "required": ["city", "country"],
+            "additionalProperties": False,
+        },
+    ),
+    (
+        "three colours",
+        {
+            "type": "object",
+            "properties": {
+                "colours": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "minItems": 3,
+                    "maxItems": 3,
+                }
+            },
+            "required": ["colours"],
+        },
+    ),
+    (
+        "the weather today",
+        {
+            "type": "object",
+            "properties": {
+                "sky": {"enum": ["sunny", "cloudy", "rainy"]},
+                "celsius": {"type": "number", "minimum": -40, "maximum": 50},
+            },
+            "required": ["sky", "celsius"],
+        },
+    ),
+    (
+        "a book with its author",
+        {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string"},
+                "author": {
+                    "type": "object",
+                    "properties": {"first": {"type": "string"}, "last": {"type": "string"}},
+                    "required": ["first", "last"],
+                },
+            },
+            "required": ["title", "author"],
+        },
+    ),
+    (
+        "a list of two people",
+        {
+            "type": "object",
+            "properties": {
+                "people": {"type": "array", "items": PERSON, "minItems": 2, "maxItems": 2}
+            },
+            "required": ["people"],
+        },
+    ),
+    (
+        "a yes or no answer to: is water wet?",
+        {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]},
+    ),
+    (
+        "an id that is a number or a short code",
+        {
+            "type": "object",
+            "properties": {
+                "id": {
+                    "anyOf": [
+                        {"type": "integer", "minimum": 1, "maximum": 999},
+                        {"type": "string", "pattern": "^[A-Z]{3}$"},
+                    ]
+                }
+            },
+            "required": ["id"],
+        },
+    ),
+    (
+        "a rating of a film",
+        {
+            "type": "object",
+            "properties": {
+                "film": {"type": "string", "maxLength": 40},
+                "stars": {"type": "integer", "enum": [1, 2, 3, 4, 5]},
+            },
+            "required": ["film", "stars"],
+        },
+    ),
+    (
+        "a shopping list",
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "item": {"type": "string", "maxLength": 20},
+                    "count": {"type": "integer", "minimum": 1, "maximum": 12},
+                },
+                "required": ["item", "count"],
+            },
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    ),
+]
 
 
 def closed(schema):
@@ -165,9 +227,12 @@ def test_a_tokenizer_the_grammar_engine_cannot_use_is_named():
 def think_run(engine: Engine, prompt: str, budget: int) -> tuple[str, object, list[int]]:
     """A PERSON-constrained greedy completion of a raw ``prompt`` with a think budget."""
     request = Completion(
-        id="t", prompt=prompt, format=PERSON, think_budget=budget,
+        id="t",
+        prompt=prompt,
+        format=PERSON,
+        think_budget=budget,
         options=Options(temperature=0.0, num_predict=120, repeat_penalty=1.0),
-    )  # fmt: skip
+    )
     frames: list = []
     engine.run(engine.prepare(request), frames.append, lambda: False)
     tokens = [f for f in frames if type(f).__name__ == "Token"]

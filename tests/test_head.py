@@ -176,8 +176,12 @@ def test_argmax_draft_is_the_argmax_of_the_scattered_row(target):
     # A tie: two ids share one output row, so their logits are equal.
     weight = target.model.output_weight()
     low, high = 5, 6
-    tied = MTPHead(head.config, head.layers[0], target.model.embed,
-                   lambda: weight.at[high].add(weight[low] - weight[high]))  # fmt: skip
+    tied = MTPHead(
+        head.config,
+        head.layers[0],
+        target.model.embed,
+        lambda: weight.at[high].add(weight[low] - weight[high]),
+    )
     tied.update(head.parameters())
     tied.set_draft_vocab([high, low])  # the higher id listed first
     row = mx.zeros((1, 1, d)) + weight[low] * 50.0  # points at the tied pair

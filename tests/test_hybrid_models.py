@@ -44,9 +44,15 @@ def reference(case: str) -> Reference:
     with np.load(path / "reference.npz") as npz:
         prompts = [npz[f"prompt_{i}"].tolist() for i in range(len(meta["prompts"]))]
         return Reference(
-            case, path, meta, prompts, npz["prompt_logits"], npz["greedy"], npz["step_logit"],
+            case,
+            path,
+            meta,
+            prompts,
+            npz["prompt_logits"],
+            npz["greedy"],
+            npz["step_logit"],
             npz["final_logits"],
-        )  # fmt: skip
+        )
 
 
 def load_file(path: str) -> dict[str, np.ndarray]:
@@ -78,8 +84,13 @@ def test_fixtures_are_complete():
     assert found == CASES
     for case in CASES:
         ref = reference(case)
-        for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
-                     "generation_config.json", "model.safetensors"):  # fmt: skip
+        for name in (
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "model.safetensors",
+        ):
             assert (ref.path / name).is_file(), f"{case}: {name} missing"
         assert ref.greedy.shape == (3, GREEDY), case
         assert ref.meta["eos_token_id"] not in ref.greedy, case
@@ -153,8 +164,11 @@ def test_restoring_a_boundary_state_equals_feeding_only_the_prefix():
     model.forward(mx.array([prompt[20:28]]), caches)  # one 8-row feed keeps 8 states
     assert all(c.can_rewind(24) for c in caches)
     snaps = [c.snapshot(0, 24) for c in caches]
-    assert all(isinstance(s, RecurrentSnapshot) for s, c in zip(snaps, caches, strict=True)
-               if isinstance(c, RecurrentCache))  # fmt: skip
+    assert all(
+        isinstance(s, RecurrentSnapshot)
+        for s, c in zip(snaps, caches, strict=True)
+        if isinstance(c, RecurrentCache)
+    )
     # Rewind to the boundary and go on: the prefix alone.
     for c in caches:
         c.rewind(24)
@@ -279,10 +293,11 @@ def test_conv_weights_are_converted_and_norms_shifted_once():
         loaded, np.array(mlx_model.model.layers[0].linear_attn.conv1d.weight)
     )
     for name, shifted in [
-        ("model.norm.weight", True), ("model.layers.0.input_layernorm.weight", True),
+        ("model.norm.weight", True),
+        ("model.layers.0.input_layernorm.weight", True),
         ("model.layers.3.self_attn.q_norm.weight", True),
         ("model.layers.0.linear_attn.norm.weight", False),
-    ]:  # fmt: skip
+    ]:
         want = raw[name] + (1.0 if shifted else 0.0)
         path = name.split(".")
         got_hf, got_mlx = hf_model, mlx_model
@@ -335,8 +350,12 @@ def test_weight_layouts_are_recognised():
         "mtp.norm.weight": mx.array([0.25]),
     }
     out, _ = qwen3_5.prepare_weights(weights, {}, args)
-    assert sorted(out) == ["lm_head.weight", "model.layers.0.linear_attn.conv1d.weight",
-                           "model.norm.weight", "mtp.norm.weight"]  # fmt: skip
+    assert sorted(out) == [
+        "lm_head.weight",
+        "model.layers.0.linear_attn.conv1d.weight",
+        "model.norm.weight",
+        "mtp.norm.weight",
+    ]
     assert out["model.norm.weight"].item() == 0.5  # an mlx-lm conversion: already shifted
     assert out["mtp.norm.weight"].item() == 0.25  # the head's: runner.heads decides
 
@@ -352,15 +371,24 @@ def test_qwen3_next_fused_rows_are_regrouped():
     sizes = {"q": h.key_dim, "k": h.key_dim, "v": per * h.value_dim, "z": per * h.value_dim}
     labels = [(part, g) for g in range(h.key_heads) for part in "qkvz" for _ in range(sizes[part])]
     codes = np.array([[10 * "qkvz".index(p) + g] for p, g in labels], np.float32)
-    ba = np.array([[10 * j + g] for g in range(h.key_heads) for j in range(2) for _ in range(per)],
-                  np.float32)  # fmt: skip
+    ba = np.array(
+        [[10 * j + g] for g in range(h.key_heads) for j in range(2) for _ in range(per)], np.float32
+    )
     out, _ = qwen3_5.prepare_weights(
-        {"model.layers.0.linear_attn.in_proj_qkvz.weight": mx.array(codes),
-         "model.layers.0.linear_attn.in_proj_ba.weight": mx.array(ba)}, {}, args,
-    )  # fmt: skip
+        {
+            "model.layers.0.linear_attn.in_proj_qkvz.weight": mx.array(codes),
+            "model.layers.0.linear_attn.in_proj_ba.weight": mx.array(ba),
+        },
+        {},
+        args,
+    )
     got = np.array(out["model.layers.0.linear_attn.in_proj_qkvz.weight"])[:, 0].tolist()
-    want = [10 * i + g for i, p in enumerate("qkvz") for g in range(h.key_heads)
-            for _ in range(sizes[p])]  # fmt: skip
+    want = [
+        10 * i + g
+        for i, p in enumerate("qkvz")
+        for g in range(h.key_heads)
+        for _ in range(sizes[p])
+    ]
     assert got == want
     got = np.array(out["model.layers.0.linear_attn.in_proj_ba.weight"])[:, 0].tolist()
     assert got == [10 * j + g for j in range(2) for g in range(h.key_heads) for _ in range(per)]
@@ -382,8 +410,9 @@ def config_of(case: str) -> dict:
 
 
 def kinds(model) -> list[str]:
-    return ["full" if isinstance(layer, qwen3_5.AttentionBlock) else "linear"
-            for layer in model.layers]  # fmt: skip
+    return [
+        "full" if isinstance(layer, qwen3_5.AttentionBlock) else "linear" for layer in model.layers
+    ]
 
 
 def test_layer_schedule_rope_and_caches():
@@ -440,8 +469,12 @@ def test_more_active_experts_than_experts_is_malformed():
 
 
 def test_dense_layers_of_a_moe_config_are_accepted():
-    cfg = {**config_of("qwen3_next_dense"), "num_experts": 8, "num_experts_per_tok": 2,
-           "mlp_only_layers": list(range(6))}  # fmt: skip
+    cfg = {
+        **config_of("qwen3_next_dense"),
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": list(range(6)),
+    }
     assert kinds(build_model(cfg)) == ["linear", "linear", "full"] * 2
 
 

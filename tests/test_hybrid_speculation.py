@@ -117,8 +117,13 @@ def cache_state(engine: Engine) -> list:
         if isinstance(c, RecurrentCache):
             out.append((c.offset, np.array(c.conv), np.array(c.recurrent)))
         else:
-            out.append((c.offset, np.array(c.keys[..., : c.offset, :]),
-                        np.array(c.values[..., : c.offset, :])))  # fmt: skip
+            out.append(
+                (
+                    c.offset,
+                    np.array(c.keys[..., : c.offset, :]),
+                    np.array(c.values[..., : c.offset, :]),
+                )
+            )
     return out
 
 
@@ -149,7 +154,7 @@ ROLLBACK_TESTS = [
     *_cases("test_cancel_at_a_draft_keeps_the_emitted_prefix_before_it"),
     *_cases(
         "test_budget_exhausted_mid_run_commits_the_retained_prefix", "who", ("driver", "emitter")
-    ),  # fmt: skip
+    ),
     *_cases("test_forced_close_at_x_replays_x_and_the_close_once", "mode", ("sampled",)),
     *_cases("test_forced_close_at_a_draft_feeds_the_close_after_the_retained_run"),
     *_cases("test_forced_close_on_the_last_token_never_draws_a_successor"),
@@ -158,7 +163,7 @@ ROLLBACK_TESTS = [
     *_cases("test_emitter_failure_at_a_draft_reconciles_to_the_emitted_prefix"),
     *_cases(
         "test_coupled_acceptance_accepts_exactly_the_target_s_own_draws", "accepted", (0, 1, 2, 3)
-    ),  # fmt: skip
+    ),
     *_cases("test_seeded_speculation_is_token_for_token_plain_sampling", "depth", (1, 2, 4)),
     *_cases("test_controller_driven_run_stays_lossless_and_learns"),
 ]
@@ -231,8 +236,12 @@ def hybrid(case: str = "qwen3_5_vl"):
 def greedy_sampler(prompt: list[int], model):
     from runner.sampler import Sampler, SamplingParams
 
-    return Sampler(SamplingParams(temperature=0.0, repeat_penalty=1.0), prompt,
-                   model.args.vocab_size, model.args.max_position_embeddings)  # fmt: skip
+    return Sampler(
+        SamplingParams(temperature=0.0, repeat_penalty=1.0),
+        prompt,
+        model.args.vocab_size,
+        model.args.max_position_embeddings,
+    )
 
 
 def states(caches) -> list:
@@ -489,9 +498,13 @@ def uncached_vl():
 
 
 def chat_engine(draft: bool, cache_bytes: int | None = None) -> Engine:
-    options = EngineOptions(model_path=str(reference("qwen3_5_vl").path), use_draft=draft,
-                            prefill_chunk=8, draft_depth=2 if draft else None,
-                            cache_bytes=cache_bytes)  # fmt: skip
+    options = EngineOptions(
+        model_path=str(reference("qwen3_5_vl").path),
+        use_draft=draft,
+        prefill_chunk=8,
+        draft_depth=2 if draft else None,
+        cache_bytes=cache_bytes,
+    )
     return Engine(options)
 
 

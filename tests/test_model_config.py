@@ -65,8 +65,10 @@ LAYOUT_PAIRS = sorted(
 
 @pytest.mark.parametrize("stem", LAYOUT_PAIRS)
 def test_old_and_new_layouts_read_as_the_same_model(stem):
-    configs = [json.loads((FIXTURES / f"{stem}_{lay}" / "config.json").read_text()) for lay in
-               ("old", "new")]  # fmt: skip
+    configs = [
+        json.loads((FIXTURES / f"{stem}_{lay}" / "config.json").read_text())
+        for lay in ("old", "new")
+    ]
     if reader.model_type(configs[0]) not in llama.FAMILIES:
         pytest.skip("not a llama-family model")
     old, new = (reader.read_llama_family(c) for c in configs)
@@ -88,8 +90,9 @@ def test_rope_dicts_are_resolved_as_transformers_standardises_them():
     tables = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     spec = reader.rope_spec(
         {"rope_type": "longrope", "original_max_position_embeddings": 128, **tables},
-        original_max_position_embeddings=32, **head,
-    )  # fmt: skip
+        original_max_position_embeddings=32,
+        **head,
+    )
     assert spec.scaling["original_max_position_embeddings"] == 32
     # Keys transformers ignores for a type (it warns) are ignored: mrope on a text model.
     assert reader.rope_spec({"rope_type": "default", "mrope_section": [2, 3, 3]}, **head) == (
@@ -104,9 +107,15 @@ def test_qwen2_window_is_off_without_use_sliding_window(checkpoint_factory):
 
 
 def test_window_fields_follow_transformers():
-    base = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
-            "max_position_embeddings": 256}  # fmt: skip
+    base = {
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 3,
+        "max_position_embeddings": 256,
+    }
     read = lambda **kw: reader.read_llama_family(  # noqa: E731
         {**base, **kw}
     )
@@ -150,10 +159,11 @@ def test_text_config_checkpoint_loads_its_language_model(checkpoint_factory, tmp
     weights = mx.load(str(path / "model.safetensors"))
     model_prefix, head_prefix = prefixes
     renamed = {
-        (head_prefix + k[len("lm_head.") :]) if k.startswith("lm_head.")
+        (head_prefix + k[len("lm_head.") :])
+        if k.startswith("lm_head.")
         else model_prefix + k[len("model.") :]: v
         for k, v in weights.items()
-    }  # fmt: skip
+    }
     renamed["vision_tower.patch_embed.weight"] = mx.zeros((4, 4))
     mx.save_safetensors(str(path / "model.safetensors"), renamed)
     got = load_model(str(path))
@@ -175,9 +185,10 @@ def test_text_config_decides_the_family(tiny_checkpoint, tmp_path):
 
 def test_unknown_rope_type_is_refused(tiny_checkpoint, tmp_path):
     path = copy_with_config(
-        tiny_checkpoint, tmp_path / "m",
+        tiny_checkpoint,
+        tmp_path / "m",
         lambda c: c.update(rope_scaling={"rope_type": "su-per", "factor": 2.0}),
-    )  # fmt: skip
+    )
     exc = refused(path, "rope_scaling.rope_type")
     assert "su-per" in str(exc)
 
@@ -242,9 +253,17 @@ def test_llama_window_that_applies_is_refused(tiny_checkpoint, tmp_path):
 
 
 def test_neutral_values_and_inference_irrelevant_keys_load(tiny_checkpoint, tmp_path):
-    neutral = {"rope_interleaved": False, "use_mrope": False, "pretraining_tp": 4,
-               "attention_dropout": 0.1, "attn_logit_softcapping": None, "hidden_act": "silu",
-               "sliding_window": 4096, "initializer_range": 0.5, "use_cache": False}  # fmt: skip
+    neutral = {
+        "rope_interleaved": False,
+        "use_mrope": False,
+        "pretraining_tp": 4,
+        "attention_dropout": 0.1,
+        "attn_logit_softcapping": None,
+        "hidden_act": "silu",
+        "sliding_window": 4096,
+        "initializer_range": 0.5,
+        "use_cache": False,
+    }
     path = copy_with_config(tiny_checkpoint, tmp_path / "m", lambda c: c.update(neutral))
     np.testing.assert_array_equal(
         logits(load_model(path).model), logits(load_model(tiny_checkpoint).model)
@@ -290,8 +309,9 @@ def test_unknown_quantization_mode_is_refused(tmp_path):
     def change(config):
         config["quantization"]["mode"] = "mxfp4"
 
-    exc = refused(copy_with_config(str(FIXTURES / QUANTIZED), tmp_path / "m", change),
-                  "quantization.mode")  # fmt: skip
+    exc = refused(
+        copy_with_config(str(FIXTURES / QUANTIZED), tmp_path / "m", change), "quantization.mode"
+    )
     assert "mxfp4" in str(exc)
 
 
@@ -301,8 +321,10 @@ def test_per_layer_quantization_mode_is_refused(tmp_path):
     def change(config):
         config["quantization"][layer]["mode"] = "nvfp4"
 
-    refused(copy_with_config(str(FIXTURES / QUANTIZED), tmp_path / "m", change),
-            f"quantization.{layer}.mode")  # fmt: skip
+    refused(
+        copy_with_config(str(FIXTURES / QUANTIZED), tmp_path / "m", change),
+        f"quantization.{layer}.mode",
+    )
 
 
 def test_foreign_quantization_method_is_refused(tiny_checkpoint, tmp_path):
@@ -334,8 +356,11 @@ def test_kept_quantized_layers_have_their_own_bits(case):
 def test_dequantizing_casts_scales_to_float32_first():
     w = mx.random.normal((8, 64), key=mx.random.key(0))
     packed, scales, biases = mx.quantize(w, group_size=32, bits=4)
-    weights = {"x.weight": packed, "x.scales": scales.astype(mx.float16),
-               "x.biases": biases.astype(mx.float16)}  # fmt: skip
+    weights = {
+        "x.weight": packed,
+        "x.scales": scales.astype(mx.float16),
+        "x.biases": biases.astype(mx.float16),
+    }
     dequantize(weights, 32)
     s32, b32 = (t.astype(mx.float16).astype(mx.float32) for t in (scales, biases))
     want = mx.dequantize(packed, s32, b32, group_size=32, bits=4)
@@ -389,8 +414,9 @@ def test_quantization_settings_are_read_as_mlx_lm_writes_them():
     assert quant.layers["lm_head"] == QuantSpec(64, 6)
     assert Quantization.from_config({"vocab_size": 3}, path=None) is None
     # Only a foreign quantization_config is refused; mlx-lm's copy of "quantization" is fine.
-    assert Quantization.from_config({"quantization_config": {"bits": 8, "group_size": 32}},
-                                    path=None).default == QuantSpec(32, 8)  # fmt: skip
+    assert Quantization.from_config(
+        {"quantization_config": {"bits": 8, "group_size": 32}}, path=None
+    ).default == QuantSpec(32, 8)
 
 
 # --- through the real pipe
@@ -398,13 +424,17 @@ def test_quantization_settings_are_read_as_mlx_lm_writes_them():
 
 def test_refused_config_is_one_error_frame_and_exit_one(tiny_checkpoint, tmp_path):
     path = copy_with_config(
-        tiny_checkpoint, tmp_path / "m",
+        tiny_checkpoint,
+        tmp_path / "m",
         lambda c: c.update(rope_scaling={"rope_type": "su-per", "factor": 2.0}),
-    )  # fmt: skip
+    )
     out = subprocess.run(
         [sys.executable, "-m", "runner", "--model", path, "--no-draft"],
-        cwd=ROOT, input=b"", capture_output=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        input=b"",
+        capture_output=True,
+        timeout=120,
+    )
     frames = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     frames = [f for f in frames if f["type"] != "progress"]
     assert [f["type"] for f in frames] == ["error"], frames

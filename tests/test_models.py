@@ -257,9 +257,13 @@ def test_rope_tables_rotate_like_mlx_fast_rope(scaling, traditional, kwargs, off
     kwargs = dict(kwargs)
     dims = kwargs.pop("dims", 16)
     rope = RoPE(
-        dims, base=10000.0, traditional=traditional, scaling=scaling or None, head_dim=16,
+        dims,
+        base=10000.0,
+        traditional=traditional,
+        scaling=scaling or None,
+        head_dim=16,
         **kwargs,
-    )  # fmt: skip
+    )
     x = mx.random.normal((1, 3, 5, 16), key=mx.random.key(offset))
     periods = rope.periods(offset, 5)
     freqs = (
@@ -267,9 +271,12 @@ def test_rope_tables_rotate_like_mlx_fast_rope(scaling, traditional, kwargs, off
         if rope._freqs is not None or rope.depends_on_feed
         else {"base": 1e4}
     )
-    rotated = mx.fast.rope(
-        x[..., :dims], dims, traditional=traditional, scale=rope.scale, offset=offset, **freqs
-    ) * rope.attention_factor  # fmt: skip
+    rotated = (
+        mx.fast.rope(
+            x[..., :dims], dims, traditional=traditional, scale=rope.scale, offset=offset, **freqs
+        )
+        * rope.attention_factor
+    )
     expected = mx.concatenate([rotated, x[..., dims:]], axis=-1)
     got = rope.apply(x, rope.tables(offset, 5))
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-4, rtol=1e-4)
@@ -316,9 +323,11 @@ def test_compiled_blocks_compute_what_the_eager_ones_do(checkpoint_factory, mode
     assert long + 3 <= len(TOKENS)
     for prefix, rows in ((9, 1), (9, 2), (9, 3), (1, long), (long, 2)):
         np.testing.assert_allclose(
-            np.array(feed(compiled, prefix, rows)), np.array(feed(eager, prefix, rows)),
-            atol=1e-4, rtol=1e-4,
-        )  # fmt: skip
+            np.array(feed(compiled, prefix, rows)),
+            np.array(feed(eager, prefix, rows)),
+            atol=1e-4,
+            rtol=1e-4,
+        )
     # Compiled parts read the weights they traced: few-row feeds keep them after a change,
     # longer (eager) ones see it at once, and uncompiling makes every feed see it.
     before_short, before_long = feed(compiled, 9, 2), feed(compiled, 1, long)
@@ -331,19 +340,39 @@ def test_compiled_blocks_compute_what_the_eager_ones_do(checkpoint_factory, mode
 
 
 KERNEL_FAMILIES = [
-    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     ("qwen2", {}),
     ("qwen3", {}),
     # Per-forward frequencies (through compiled blocks as an input): the 12-token prompt and
     # the decode steps cross max_position_embeddings 16 / the original length 16.
     ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "max_position_embeddings": 16}),
-    ("llama", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
-                                "long_factor": [1.0 + i for i in range(8)],
-                                "original_max_position_embeddings": 16}}),
-    ("llama", {"rope_scaling": {"type": "yarn", "factor": 4.0,
-                                "original_max_position_embeddings": 16}}),
-]  # fmt: skip
+    (
+        "llama",
+        {
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0] * 8,
+                "long_factor": [1.0 + i for i in range(8)],
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
+    (
+        "llama",
+        {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    ),
+]
 
 
 @pytest.mark.parametrize(("model_type", "kwargs"), KERNEL_FAMILIES, ids=lambda v: str(v)[:12])

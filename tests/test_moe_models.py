@@ -369,8 +369,9 @@ needs_gathered = pytest.mark.skipif(
 
 def rows_alone_and_together(fn, x: mx.array, *rest: mx.array) -> None:
     """Row i of every k-row call of ``fn`` (k = 2, 3, 5) is bit for bit its one-row call."""
-    one = np.concatenate([np.array(fn(x[i : i + 1], *(r[i : i + 1] for r in rest)))
-                          for i in range(5)])  # fmt: skip
+    one = np.concatenate(
+        [np.array(fn(x[i : i + 1], *(r[i : i + 1] for r in rest))) for i in range(5)]
+    )
     for rows in (2, 3, 5):
         got = np.array(fn(x[:rows], *(r[:rows] for r in rest)))
         assert np.array_equal(got, one[:rows]), rows
@@ -400,18 +401,30 @@ def test_a_block_in_panels_is_batch_invariant(scoring, compiled):
     result, bit for bit, eager and compiled."""
     qwen = load("qwen3_moe").model
     s = moe.MoESettings(
-        num_experts=16, top_k=4, intermediate_size=32, scoring=scoring, norm_topk_prob=True,
-        sparse_layers=(True,), n_group=4 if scoring == "sigmoid" else 1,
-        topk_group=2 if scoring == "sigmoid" else 1, correction_bias=scoring == "sigmoid",
-        shared="plain" if scoring == "sigmoid" else None, shared_intermediate_size=32,
+        num_experts=16,
+        top_k=4,
+        intermediate_size=32,
+        scoring=scoring,
+        norm_topk_prob=True,
+        sparse_layers=(True,),
+        n_group=4 if scoring == "sigmoid" else 1,
+        topk_group=2 if scoring == "sigmoid" else 1,
+        correction_bias=scoring == "sigmoid",
+        shared="plain" if scoring == "sigmoid" else None,
+        shared_intermediate_size=32,
         routed_scaling_factor=2.5 if scoring == "sigmoid" else 1.0,
-    )  # fmt: skip
+    )
     args = dataclasses.replace(qwen.args, extra={**qwen.args.extra, "moe": s})
     block = moe.SparseMoE(args, s)
     params = tree_flatten(block.parameters())
-    block.update(tree_unflatten([
-        (n, 0.2 * mx.random.normal(v.shape, key=mx.random.key(i))) for i, (n, v) in
-        enumerate(params)]))  # fmt: skip
+    block.update(
+        tree_unflatten(
+            [
+                (n, 0.2 * mx.random.normal(v.shape, key=mx.random.key(i)))
+                for i, (n, v) in enumerate(params)
+            ]
+        )
+    )
     pack_for_cpu(block)
     fuse_projections(block)
     to_panel_layout(block)  # as device.tune lays out a head's block
@@ -426,8 +439,12 @@ def test_tune_lays_out_the_experts_of_target_and_head():
     """The GLM target and its inline MTP layer (a MoE block too) follow the weight layout;
     "hf" and expert_layout="hf" keep them as loaded."""
     want = "_panels" if native.gathered_available() else "_wt"
-    for tune, key in (({}, want), ({"layout": "packed"}, "_wt"), ({"layout": "hf"}, None),
-                      ({"expert_layout": "hf"}, None)):  # fmt: skip
+    for tune, key in (
+        ({}, want),
+        ({"layout": "packed"}, "_wt"),
+        ({"layout": "hf"}, None),
+        ({"expert_layout": "hf"}, None),
+    ):
         loaded = load("glm4_moe")
         head, _ = load_draft_head(loaded)
         device.tune(loaded.model, head, **tune)
@@ -440,8 +457,14 @@ def test_tune_lays_out_the_experts_of_target_and_head():
 
 def test_quantized_experts_keep_their_layout():
     mlp, x = block_and_rows("qwen3_moe", 0, rows=4)
-    nn.quantize(mlp, group_size=32, bits=8, class_predicate=lambda _, m: (
-        isinstance(m, moe.SwitchLinear) and m.weight.shape[-1] % 32 == 0))  # fmt: skip
+    nn.quantize(
+        mlp,
+        group_size=32,
+        bits=8,
+        class_predicate=lambda _, m: (
+            isinstance(m, moe.SwitchLinear) and m.weight.shape[-1] % 32 == 0
+        ),
+    )
     before = mlp(x)
     for layout in LAYOUTS:
         assert moe.lay_out_experts(mlp, layout) == 0

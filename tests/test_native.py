@@ -356,8 +356,14 @@ def test_gathered_strided_inputs_and_fused_views():
     dense_idx = np.asarray(idx)
     want = _gathered_reference(x[:, None], w, dense_idx)
     y = native.gather_panel_matmul(x[:, None], fused, idx, 2 * n)
-    assert np.array_equal(np.asarray(y), np.asarray(native.gather_panel_matmul(
-        x[:, None], fused, mx.array(dense_idx.astype(np.int32)), 2 * n)))  # fmt: skip
+    assert np.array_equal(
+        np.asarray(y),
+        np.asarray(
+            native.gather_panel_matmul(
+                x[:, None], fused, mx.array(dense_idx.astype(np.int32)), 2 * n
+            )
+        ),
+    )
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
     half = n // native.PANEL
     up = native.gather_panel_matmul(x[:, None], fused[:, half:], idx, n)

@@ -38,10 +38,16 @@ def operands(batch, heads, groups, length, keys, dim, seed=0, spread=3.0):
 # several blocks and key tiles (64 keys), a cached prefix that leaves the diagonal inside a
 # tile, head dims that are not a multiple of the 6-wide register blocks or of 8, one key.
 SHAPES = [
-    (1, 4, 2, 5, 5, 16), (1, 9, 3, 64, 64, 64), (1, 9, 3, 65, 65, 64), (1, 9, 3, 200, 200, 64),
-    (2, 4, 2, 70, 333, 40), (1, 2, 1, 33, 129, 128), (1, 3, 3, 17, 100, 7), (1, 2, 2, 1, 1, 64),
+    (1, 4, 2, 5, 5, 16),
+    (1, 9, 3, 64, 64, 64),
+    (1, 9, 3, 65, 65, 64),
+    (1, 9, 3, 200, 200, 64),
+    (2, 4, 2, 70, 333, 40),
+    (1, 2, 1, 33, 129, 128),
+    (1, 3, 3, 17, 100, 7),
+    (1, 2, 2, 1, 1, 64),
     (1, 6, 1, 130, 197, 80),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "all-keys"])
@@ -91,11 +97,14 @@ def test_threads_and_pieces_give_the_same_bits():
         np.testing.assert_array_equal(np.array(many), one)
     pieces = [
         native.flash_attention(
-            q[:, :, s : s + 64], k[:, :, : 700 + s + 64], v[:, :, : 700 + s + 64],
-            scale=0.125, causal=True,
+            q[:, :, s : s + 64],
+            k[:, :, : 700 + s + 64],
+            v[:, :, : 700 + s + 64],
+            scale=0.125,
+            causal=True,
         )
         for s in range(0, 300, 64)
-    ]  # fmt: skip
+    ]
     np.testing.assert_array_equal(np.array(mx.concatenate(pieces, axis=2)), one)
 
 

@@ -118,17 +118,28 @@ def test_gemma_layouts_read_alike():
     ("case", "change", "error", "key"),
     [
         ("gemma2_old", {"hidden_activation": "relu"}, UnsupportedArchitecture, "hidden_activation"),
-        ("gemma3_text_old", {"use_bidirectional_attention": True}, UnsupportedArchitecture,
-         "use_bidirectional_attention"),
-        ("gemma3_text_new", {"layer_types": ["sliding_attention", "chunked_attention",
-                                             "full_attention"]}, UnsupportedArchitecture,
-         "layer_types"),
+        (
+            "gemma3_text_old",
+            {"use_bidirectional_attention": True},
+            UnsupportedArchitecture,
+            "use_bidirectional_attention",
+        ),
+        (
+            "gemma3_text_new",
+            {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+            UnsupportedArchitecture,
+            "layer_types",
+        ),
         ("gemma2_old", {"sliding_window": 0}, CorruptModelFile, "sliding_window"),
         ("phi3_longrope_old", {"hidden_act": "gelu"}, UnsupportedArchitecture, "hidden_act"),
-        ("phi3_longrope_old", {"attn_logit_softcapping": 30.0}, UnsupportedArchitecture,
-         "attn_logit_softcapping"),
+        (
+            "phi3_longrope_old",
+            {"attn_logit_softcapping": 30.0},
+            UnsupportedArchitecture,
+            "attn_logit_softcapping",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unimplemented_keys_are_refused_by_name(case, change, error, key):
     with pytest.raises(error, match=key):
         build_model({**config_of(case), **change}, path="config.json")

@@ -74,9 +74,20 @@ def qkv(length: int, keys: int, batch=1, heads=4, groups=2, dim=16, seed=0, spre
 # prefixes that leave the diagonal inside a tile or across a tile boundary, a tile whose last
 # key is one or two past a block's first row.
 SHAPES = [
-    (5, 0), (16, 0), (17, 0), (37, 11), (48, 0), (50, 47), (64, 95), (100, 133), (20, 46),
-    (3, 93), (130, 70), (65, 0), (64, 64),
-]  # fmt: skip
+    (5, 0),
+    (16, 0),
+    (17, 0),
+    (37, 11),
+    (48, 0),
+    (50, 47),
+    (64, 95),
+    (100, 133),
+    (20, 46),
+    (3, 93),
+    (130, 70),
+    (65, 0),
+    (64, 64),
+]
 
 
 @pytest.mark.parametrize("length,offset", SHAPES)
@@ -118,10 +129,13 @@ def test_scores_far_apart_keep_their_weights(small_tiles):
 
 
 def test_exp2_of_nonpositive_values():
-    d = np.concatenate([
-        -np.linspace(0.0, 130.0, 20001), [-0.5, -0.49999997, -1.5, -126.4, -126.6, -127.0],
-        [-127.5, -200.0, -1e6, attention.MASKED],
-    ]).astype(np.float32)  # fmt: skip
+    d = np.concatenate(
+        [
+            -np.linspace(0.0, 130.0, 20001),
+            [-0.5, -0.49999997, -1.5, -126.4, -126.6, -127.0],
+            [-127.5, -200.0, -1e6, attention.MASKED],
+        ]
+    ).astype(np.float32)
     got = np.array(attention.exp2_nonpositive(mx.array(d))).astype(np.float64)
     want = np.exp2(d.astype(np.float64))
     normal = d >= -125.0
@@ -248,8 +262,15 @@ def chunk_polls(model, tokens, chunk) -> list[int]:
         calls["n"] += 1
         return False
 
-    prefill(model, model.make_caches(), tokens, 0, chunk=chunk, cancelled=cancelled,
-            on_commit=lambda ids, hidden, pos: marks.append(calls["n"]))  # fmt: skip
+    prefill(
+        model,
+        model.make_caches(),
+        tokens,
+        0,
+        chunk=chunk,
+        cancelled=cancelled,
+        on_commit=lambda ids, hidden, pos: marks.append(calls["n"]),
+    )
     return marks
 
 
@@ -322,8 +343,15 @@ def test_a_cancel_set_from_another_thread_mid_chunk(four_layers):
     caches = four_layers.make_caches()
     seen = Recorder()
     with pytest.raises(Cancelled) as raised:
-        prefill(four_layers, caches, prompt(400, seed=8), 0, chunk=100, cancelled=cancelled,
-                on_commit=seen)  # fmt: skip
+        prefill(
+            four_layers,
+            caches,
+            prompt(400, seed=8),
+            0,
+            chunk=100,
+            cancelled=cancelled,
+            on_commit=seen,
+        )
     thread.join()
     assert raised.value.args == (100,) and polls["n"] == 7
     assert [c.offset for c in caches] == [100] * len(caches)

@@ -71,12 +71,29 @@ def test_each_request_type_decodes_to_its_struct():
 
 def test_completion_fields_and_defaults():
     request = decode_request(
-        line(type="completion", id="a", prompt="p", logprobs=True, top_logprobs=5,
-             speculative=False, think_budget=0,
-             options={"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "seed": 42,
-                      "num_predict": -1, "stop": ["\n", "END"], "repeat_penalty": 1.1,
-                      "repeat_last_n": -1, "presence_penalty": -0.5, "frequency_penalty": 0.5})
-    )  # fmt: skip
+        line(
+            type="completion",
+            id="a",
+            prompt="p",
+            logprobs=True,
+            top_logprobs=5,
+            speculative=False,
+            think_budget=0,
+            options={
+                "temperature": 0.7,
+                "top_k": 40,
+                "top_p": 0.9,
+                "min_p": 0.05,
+                "seed": 42,
+                "num_predict": -1,
+                "stop": ["\n", "END"],
+                "repeat_penalty": 1.1,
+                "repeat_last_n": -1,
+                "presence_penalty": -0.5,
+                "frequency_penalty": 0.5,
+            },
+        )
+    )
     assert (request.logprobs, request.top_logprobs, request.speculative) == (True, 5, False)
     assert request.think_budget == 0
     o = request.options
@@ -86,15 +103,25 @@ def test_completion_fields_and_defaults():
     assert (o.presence_penalty, o.frequency_penalty) == (-0.5, 0.5)
     bare = decode_request(line(type="completion", id="a", prompt="p"))
     assert (bare.logprobs, bare.top_logprobs, bare.speculative, bare.think_budget) == (
-        False, 0, True, None)  # fmt: skip
+        False,
+        0,
+        True,
+        None,
+    )
     assert all(getattr(bare.options, f) is None for f in bare.options.__struct_fields__)
 
 
 def test_unknown_fields_are_ignored_at_every_level():
     request = decode_request(
-        line(type="completion", id="a", prompt="p", stream=True, images=[{"x": [1]}],
-             options={"num_ctx": 8192, "mirostat": 2, "top_k": 7, "use_mmap": None})
-    )  # fmt: skip
+        line(
+            type="completion",
+            id="a",
+            prompt="p",
+            stream=True,
+            images=[{"x": [1]}],
+            options={"num_ctx": 8192, "mirostat": 2, "top_k": 7, "use_mmap": None},
+        )
+    )
     assert request.options.top_k == 7
 
 
@@ -136,9 +163,7 @@ def test_out_of_range_or_mistyped_fields_name_the_field(fragment, field):
     assert "$" not in error.message
 
 
-@pytest.mark.parametrize(
-    "tokens", ["[-1]", "[2147483648]", "[1.0]", '["1"]', "[]", "[[1]]"]
-)  # fmt: skip
+@pytest.mark.parametrize("tokens", ["[-1]", "[2147483648]", "[1.0]", '["1"]', "[]", "[[1]]"])
 def test_token_ids_are_non_negative_32_bit_ints(tokens):
     error = refusal(f'{{"type": "completion", "id": "r", "tokens": {tokens}}}'.encode())
     assert error.code == "bad_request" and error.message.startswith("tokens")
@@ -254,11 +279,23 @@ def test_frame_keys_hosts_rely_on():
     assert json.loads(encode_frame(Error(None, "internal", "m")))["id"] is None
     done = json.loads(encode_frame(Done("a", "stop")))
     assert set(done) == {
-        "type", "id", "done_reason", "prompt_tokens", "prompt_cached_tokens", "prompt_eval_ns",
-        "eval_tokens", "eval_ns", "speculation",
-    }  # fmt: skip
+        "type",
+        "id",
+        "done_reason",
+        "prompt_tokens",
+        "prompt_cached_tokens",
+        "prompt_eval_ns",
+        "eval_tokens",
+        "eval_ns",
+        "speculation",
+    }
     assert set(done["speculation"]) == {
-        "rounds", "drafted", "accepted", "accepted_per_depth", "final_depth"}  # fmt: skip
+        "rounds",
+        "drafted",
+        "accepted",
+        "accepted_per_depth",
+        "final_depth",
+    }
     assert json.loads(encode_frame(StatusFrame("s", 0, None, 0, 0, 0, 0)))["active"] is None
 
 
@@ -285,8 +322,15 @@ def test_schema_covers_every_message():
     requests = {"Completion", "Cancel", "Tokenize", "Detokenize", "Status", "Shutdown"}
     assert refs("request") == requests
     assert refs("frame") == {
-        "Progress", "Ready", "Token", "Done", "Error", "TokensFrame", "TextFrame", "StatusFrame",
-    }  # fmt: skip
+        "Progress",
+        "Ready",
+        "Token",
+        "Done",
+        "Error",
+        "TokensFrame",
+        "TextFrame",
+        "StatusFrame",
+    }
     options = schema["$defs"]["Options"]["properties"]
     assert options["top_p"]["anyOf"][0] == {"maximum": 1.0, "minimum": 0.0, "type": "number"}
     assert set(schema["error_codes"]) == set(protocol.ERROR_CODES)
@@ -514,9 +558,13 @@ def test_load_failure_is_one_error_frame_and_status_one():
     assert server.serve(load, lambda n: b"") == 1
     assert out.frames() == [
         {"type": "progress", "stage": "weights", "done": 0, "total": 2},
-        {"type": "error", "id": None, "code": "model_file_missing",
-         "message": "no such file: /x/model.gguf"},
-    ]  # fmt: skip
+        {
+            "type": "error",
+            "id": None,
+            "code": "model_file_missing",
+            "message": "no such file: /x/model.gguf",
+        },
+    ]
 
 
 def test_an_untyped_load_failure_is_load_error():
@@ -534,9 +582,16 @@ def test_an_untyped_load_failure_is_load_error():
 # ---------------------------------------------------------------------------- cli
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("1024", 1024), ("512M", 512 << 20), ("2G", 2 << 30), ("1.5g", 3 << 29),
-     ("64KiB", 64 << 10), ("3 MB", 3 << 20), ("1T", 1 << 40)],
-)  # fmt: skip
+    [
+        ("1024", 1024),
+        ("512M", 512 << 20),
+        ("2G", 2 << 30),
+        ("1.5g", 3 << 29),
+        ("64KiB", 64 << 10),
+        ("3 MB", 3 << 20),
+        ("1T", 1 << 40),
+    ],
+)
 def test_cache_bytes_sizes(text, value):
     assert parse_bytes(text) == value
 
@@ -551,11 +606,29 @@ def test_cli_defaults_and_flags():
     args = build_parser().parse_args([])
     assert (args.model, args.draft, args.no_draft, args.max_draft) == (None, None, False, 8)
     assert (args.cache_bytes, args.prefill_chunk, args.dtype, args.queue_limit) == (
-        None, 512, "auto", 64)  # fmt: skip
+        None,
+        512,
+        "auto",
+        64,
+    )
     args = build_parser().parse_args(
-        ["--model", "m.gguf", "--cache-bytes", "512M", "--no-prefix-cache", "--keep-quantized",
-         "--weight-layout", "hf", "--dtype", "float16", "--queue-limit", "3", "--max-draft", "0"]
-    )  # fmt: skip
+        [
+            "--model",
+            "m.gguf",
+            "--cache-bytes",
+            "512M",
+            "--no-prefix-cache",
+            "--keep-quantized",
+            "--weight-layout",
+            "hf",
+            "--dtype",
+            "float16",
+            "--queue-limit",
+            "3",
+            "--max-draft",
+            "0",
+        ]
+    )
     assert (args.model, args.cache_bytes, args.no_prefix_cache) == ("m.gguf", 512 << 20, True)
     assert (args.keep_quantized, args.weight_layout, args.dtype) == (True, "hf", "float16")
     assert (args.queue_limit, args.max_draft) == (3, 0)

@@ -82,9 +82,15 @@ def reference(case: str) -> Reference:
         prompts = [npz[f"prompt_{i}"].tolist() for i in range(len(meta["prompts"]))]
         assert prompts == meta["prompts"]
         return Reference(
-            case, path, meta, prompts, npz["prompt_logits"], npz["greedy"], npz["step_logit"],
+            case,
+            path,
+            meta,
+            prompts,
+            npz["prompt_logits"],
+            npz["greedy"],
+            npz["step_logit"],
             npz["final_logits"],
-        )  # fmt: skip
+        )
 
 
 def load_or_fail(case: str):
@@ -177,8 +183,13 @@ def test_fixtures_are_complete():
     assert len(CASES) >= 20, CASES
     for case in CASES:
         ref = reference(case)
-        for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
-                     "generation_config.json", "model.safetensors"):  # fmt: skip
+        for name in (
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "model.safetensors",
+        ):
             assert (ref.path / name).is_file(), f"{case}: {name} missing"
         assert ref.greedy.shape == (len(ref.prompts), 24), case
         assert ref.meta["eos_token_id"] not in ref.greedy, f"{case}: EOS in the greedy tokens"
@@ -221,10 +232,21 @@ def test_pipe_streams_reference_greedy_tokens(family, tmp_path):
     prompt, want = ref.prompts[PIPE_PROMPT], ref.greedy[PIPE_PROMPT].tolist()
     stderr = open(tmp_path / "stderr.log", "w+b")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", "--model", str(ref.path), "--no-draft",
-         "--dtype", "float32"],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "--model",
+            str(ref.path),
+            "--no-draft",
+            "--dtype",
+            "float32",
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+    )
     deadline = time.monotonic() + PIPE_TIMEOUT_S
     reader = FrameReader(proc, deadline)
     try:
@@ -232,9 +254,11 @@ def test_pipe_streams_reference_greedy_tokens(family, tmp_path):
         if not start or start[-1]["type"] != "ready":
             pytest.fail(f"{case}: no ready frame, the runner answered {start[-1:]}", pytrace=False)
         request = {
-            "type": "completion", "id": "x", "tokens": prompt,
+            "type": "completion",
+            "id": "x",
+            "tokens": prompt,
             "options": {"temperature": 0, "num_predict": len(want), "repeat_penalty": 1.0},
-        }  # fmt: skip
+        }
         proc.stdin.write((json.dumps(request) + "\n").encode())
         proc.stdin.close()  # end of input: the runner finishes the completion and exits 0
         frames = reader.until(lambda f: f["type"] == "done" and f.get("id") == "x")
@@ -254,8 +278,10 @@ def test_pipe_streams_reference_greedy_tokens(family, tmp_path):
     done = frames[-1] if frames and frames[-1]["type"] == "done" else None
     eos = ref.meta["eos_token_id"]
     want = want[: want.index(eos)] if eos in want else want  # none do; a regenerated one might
-    matched = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-                   min(len(got), len(want)))  # fmt: skip
+    matched = next(
+        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+        min(len(got), len(want)),
+    )
     if got != want:
         pytest.fail(
             f"{case} through the pipe: {matched}/{len(want)} greedy tokens match\n"

@@ -27,9 +27,11 @@ def rope_of(config: dict) -> RoPE:
     full = {"vocab_size": 320, "intermediate_size": 128, "num_hidden_layers": 1, **config}
     args = read_llama_family(full)
     return RoPE(
-        args["head_dim"], base=args["rope_theta"], scaling=args["rope_scaling"],
+        args["head_dim"],
+        base=args["rope_theta"],
+        scaling=args["rope_scaling"],
         max_position_embeddings=args["max_position_embeddings"],
-    )  # fmt: skip
+    )
 
 
 def window(seq_len: int | None) -> tuple[int, int]:
@@ -80,9 +82,11 @@ def test_both_kernels_rotate_as_transformers_does(name, fast):
         x = mx.random.normal((1, 2, length, rope.dims), key=mx.random.key(length + offset))
         got = np.array(rope.apply(x, rope.tables(offset, length)))
         want = rotate_like_transformers(
-            np.array(x), np.arange(offset, offset + length), table["inv_freq"],
+            np.array(x),
+            np.arange(offset, offset + length),
+            table["inv_freq"],
             table["attention_factor"],
-        )  # fmt: skip
+        )
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 

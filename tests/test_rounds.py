@@ -533,13 +533,19 @@ def test_seeded_speculation_is_token_for_token_plain_sampling(depth):
         # Ends by EOS, by a stop string at push 9, or by the budget.
         stops, budget = ([9] if seed % 3 == 0 else []), 6 + seed
         ops, _, driver = make(
-            depth=depth, budget=budget, sampler=sampled(seed),
-            emitter=ScriptedEmitter(stop_at=stops), **probs,
-        )  # fmt: skip
+            depth=depth,
+            budget=budget,
+            sampler=sampled(seed),
+            emitter=ScriptedEmitter(stop_at=stops),
+            **probs,
+        )
         plain_ops, _, plain = make(
-            depth=0, budget=budget, sampler=sampled(seed),
-            emitter=ScriptedEmitter(stop_at=stops), **probs,
-        )  # fmt: skip
+            depth=0,
+            budget=budget,
+            sampler=sampled(seed),
+            emitter=ScriptedEmitter(stop_at=stops),
+            **probs,
+        )
         end = driver.run(X)
         plain_end = plain.run(X)
         assert driver.emitted == plain.emitted and end == plain_end, seed

@@ -32,8 +32,9 @@ def _dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> n
 class NumpyLlama:
     def __init__(self, path: str):
         raw, meta = mx.load(path, return_metadata=True)
-        self.meta = {k: (v.item() if isinstance(v, mx.array) and v.size == 1 else v)
-                     for k, v in meta.items()}  # fmt: skip
+        self.meta = {
+            k: (v.item() if isinstance(v, mx.array) and v.size == 1 else v) for k, v in meta.items()
+        }
         t = {}
         for name in raw:
             if name.endswith((".scales", ".biases")):
@@ -41,9 +42,10 @@ class NumpyLlama:
             stem = name[: -len(".weight")] if name.endswith(".weight") else name
             if f"{stem}.scales" in raw:
                 t[stem] = _dequantize(
-                    np.array(raw[name]), np.array(raw[f"{stem}.scales"]),
+                    np.array(raw[name]),
+                    np.array(raw[f"{stem}.scales"]),
                     np.array(raw[f"{stem}.biases"]),
-                )  # fmt: skip
+                )
             else:
                 t[stem] = np.array(raw[name].astype(mx.float32), dtype=np.float64)
         self.t = t

@@ -104,9 +104,10 @@ def test_logprobs_come_from_the_verify_rows_and_equal_plain_decoding(model_and_h
     rounds = 0
     for depth in (1, 2, 4):
         spec = Engine(
-            EngineOptions(model_path=path, draft_path=head_dir, draft_depth=depth,
-                          prefix_cache=False)
-        )  # fmt: skip
+            EngineOptions(
+                model_path=path, draft_path=head_dir, draft_depth=depth, prefix_cache=False
+            )
+        )
         for prompt in PROMPTS:
             for budget in (1, 7, 20):
                 kw = dict(num_predict=budget, logprobs=True, top_logprobs=3, **sampling)

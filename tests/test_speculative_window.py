@@ -68,8 +68,15 @@ def run(engine: Engine, tokens: list[int], budget: int) -> tuple[list[int], obje
 def heads(tmp_path_factory, phi3_window):
     """(case, head kind) -> sidecar directory."""
     made = {}
-    for case in ("mistral_sliding", "gemma2_old", "gemma2_new", "gemma3_text_new",
-                 "qwen2_sliding_old", "qwen2_sliding_new", PHI3):  # fmt: skip
+    for case in (
+        "mistral_sliding",
+        "gemma2_old",
+        "gemma2_new",
+        "gemma3_text_new",
+        "qwen2_sliding_old",
+        "qwen2_sliding_new",
+        PHI3,
+    ):
         loaded = load_model(case_path(case, phi3_window))
         for kind, head in (("random", random_head(loaded, seed=4)), ("echo", echo_head(loaded))):
             directory = str(tmp_path_factory.mktemp(f"{case}-{kind}"))

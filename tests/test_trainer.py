@@ -64,8 +64,12 @@ def train_command(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run(
         [sys.executable, "-m", "runner", "train-head", *argv],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def run_script(*argv: str, timeout: int = 120) -> str:
@@ -77,11 +81,31 @@ def run_script(*argv: str, timeout: int = 120) -> str:
 
 def trainer_args(target: str, prompt_dir: str, work: str, out: str, *extra: str) -> list[str]:
     return [
-        target, "--out", out, "--work-dir", work, "--prompts-dir", prompt_dir,
-        "--template", CHAT, "--max-new-tokens", "20", "--gen-batch", "4",
-        "--draft-vocab", "48", "--batch", "256", "--warmup", "2", "--eval-every", "5",
-        "--checkpoint-every", "5", *extra,
-    ]  # fmt: skip
+        target,
+        "--out",
+        out,
+        "--work-dir",
+        work,
+        "--prompts-dir",
+        prompt_dir,
+        "--template",
+        CHAT,
+        "--max-new-tokens",
+        "20",
+        "--gen-batch",
+        "4",
+        "--draft-vocab",
+        "48",
+        "--batch",
+        "256",
+        "--warmup",
+        "2",
+        "--eval-every",
+        "5",
+        "--checkpoint-every",
+        "5",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +147,12 @@ def test_sidecar_loads_through_the_runner_and_drafts_like_the_trained_head(train
     head, description = load_draft_head(loaded, out)
     assert "draft vocab 48" in description
     names = set(mx.load(os.path.join(out, "mtp.safetensors")))
-    assert {"mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.norm.weight",
-            "mtp.draft_vocab"} <= names  # fmt: skip
+    assert {
+        "mtp.fc.weight",
+        "mtp.layers.0.self_attn.q_proj.weight",
+        "mtp.norm.weight",
+        "mtp.draft_vocab",
+    } <= names
     assert mx.load(os.path.join(out, "mtp.safetensors"))["mtp.fc.weight"].dtype == mx.float16
 
     seqs = [s for s in dataset.load_sequences(work) if s.heldout]
@@ -152,8 +180,10 @@ def test_chain_eval_counts_what_the_runners_draft_session_proposes(trained, voca
     if vocabulary == "full":  # e.g. a published MTP head: drafts over the target's output
         head.set_draft_vocab(None)
     # Sampled answers have varied labels; compare greedy drafts against the target's argmax.
-    seq = max((s for s in dataset.load_sequences(work) if s.temperature > 0),
-              key=lambda s: len(s.tokens) - s.prompt_len)  # fmt: skip
+    seq = max(
+        (s for s in dataset.load_sequences(work) if s.temperature > 0),
+        key=lambda s: len(s.tokens) - s.prompt_len,
+    )
     greedy = Sampler(SamplingParams(temperature=0.0), [], loaded.vocab_size, 4096)
     depth, hits, tries = 3, np.zeros(3), np.zeros(3)
     for t in range(seq.prompt_len - 1, len(seq.tokens) - 2):  # step 1 needs argmax[t + 1]
@@ -178,13 +208,29 @@ def test_resume_continues_where_training_stopped(trained, tmp_path):
     target, prompt_dir, work, _, _ = trained
     # Same data (cached generation is reused), training split over two invocations.
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    run_script(*trainer_args(target, prompt_dir, work, straight, "--steps", "10",
-                             "--stage", "train"))  # fmt: skip
-    run_script(*trainer_args(target, prompt_dir, work, split, "--steps", "10", "--stop-after", "5",
-                             "--stage", "train"))  # fmt: skip
+    run_script(
+        *trainer_args(target, prompt_dir, work, straight, "--steps", "10", "--stage", "train")
+    )
+    run_script(
+        *trainer_args(
+            target,
+            prompt_dir,
+            work,
+            split,
+            "--steps",
+            "10",
+            "--stop-after",
+            "5",
+            "--stage",
+            "train",
+        )
+    )
     assert not os.path.exists(os.path.join(split, "config.json"))
-    log = run_script(*trainer_args(target, prompt_dir, work, split, "--steps", "10", "--resume",
-                                   "--stage", "train"))  # fmt: skip
+    log = run_script(
+        *trainer_args(
+            target, prompt_dir, work, split, "--steps", "10", "--resume", "--stage", "train"
+        )
+    )
     assert "resumed at step 5/10" in log
     a = mx.load(os.path.join(straight, "mtp.safetensors"))
     b = mx.load(os.path.join(split, "mtp.safetensors"))
@@ -196,8 +242,22 @@ def test_training_can_continue_from_a_written_head(trained, tmp_path):
     target, prompt_dir, work, out, _ = trained
     more = str(tmp_path / "more")
     # The one-step NumPy trainer continuing a head the chain trained.
-    log = run_script(*trainer_args(target, prompt_dir, work, more, "--steps", "4", "--init-head",
-                                   out, "--stage", "train", "--chain-steps", "1"))  # fmt: skip
+    log = run_script(
+        *trainer_args(
+            target,
+            prompt_dir,
+            work,
+            more,
+            "--steps",
+            "4",
+            "--init-head",
+            out,
+            "--stage",
+            "train",
+            "--chain-steps",
+            "1",
+        )
+    )
     assert f"starting from the head in {out}" in log
     with open(os.path.join(out, "config.json")) as f:
         first = json.load(f)["training"]
@@ -214,8 +274,12 @@ def test_training_can_continue_from_a_written_head(trained, tmp_path):
 
 def test_generation_is_cached_and_a_changed_plan_is_refused(trained):
     target, prompt_dir, work, out, _ = trained
-    proc = train_command(*trainer_args(target, prompt_dir, work, out, "--stage", "generate",
-                                       "--max-new-tokens", "21"), timeout=60)  # fmt: skip
+    proc = train_command(
+        *trainer_args(
+            target, prompt_dir, work, out, "--stage", "generate", "--max-new-tokens", "21"
+        ),
+        timeout=60,
+    )
     # A TrainingError: exit status 1 and one line naming the cause, no traceback.
     assert proc.returncode == 1 and "another plan" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -258,10 +322,18 @@ def test_adding_prompts_extends_the_cached_plan(trained, tmp_path):
         ("llama", {}),
         ("qwen2", {"tie_word_embeddings": False}),
         ("qwen3", {}),
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-                                    "original_max_position_embeddings": 64}}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+        ),
     ],
-)  # fmt: skip
+)
 def test_trainer_target_features_equal_the_runners_forward(checkpoint_factory, model_type, extra):
     """The trainer's target (the runner's model, laid out and compiled for serving speed) over
     a left-padded batch, prefill then cached steps, gives each row the hiddens the runner's
@@ -314,9 +386,13 @@ def test_left_padded_batch_generation_matches_single_sequences(tiny_checkpoint):
     ids = [tok.encode(prompts.render(CHAT, t)) for t in texts]
     target = RunnerTarget(tiny_checkpoint)
     seqs = generate.generate_batch(
-        target, ids, [0.0, 0.0, 0.0], prompt_ids=[0, 1, 2], max_new_tokens=12,
+        target,
+        ids,
+        [0.0, 0.0, 0.0],
+        prompt_ids=[0, 1, 2],
+        max_new_tokens=12,
         eos_ids=set(tok.eos_ids),
-    )  # fmt: skip
+    )
     assert len({len(i) for i in ids}) == 3  # really padded
     for s in seqs:
         # Teacher-forced MLX pass over the same tokens: hiddens, argmax and greedy tokens agree.
@@ -362,7 +438,7 @@ def test_numpy_head_gradients_match_mlx_autograd(checkpoint_factory, model_type,
         labels=np.array([4, -1, 50, 99, 0, 7, 7], dtype=np.int32),
         next_hiddens=rng.normal(size=(7, 64)).astype(np.float16),
         pairs=18,
-    )  # fmt: skip
+    )
     ref_loss, ref_grads = nn.value_and_grad(head, lambda h: _mlx_loss(h, batch, loss, reg))(head)
     ref = dict(tree_flatten(ref_grads))
     logits, cache = trainer.forward(batch.tokens, batch.hiddens, batch.rows)
@@ -444,11 +520,14 @@ def test_prompt_set_is_large_diverse_and_keeps_heldout_templates_apart():
 def test_pairs_are_labelled_with_the_targets_choice_two_tokens_ahead():
     # tokens t0..t5, prompt of 3; argmax[i] is the target's choice after feeding t_i.
     seq = dataset.Sequence(
-        prompt_index=0, temperature=0.0, prompt_len=3,
+        prompt_index=0,
+        temperature=0.0,
+        prompt_len=3,
         tokens=np.array([10, 11, 12, 13, 14, 15]),
         hiddens=np.arange(5 * 2, dtype=np.float16).reshape(5, 2),
-        argmax=np.array([-1, -1, 13, 14, 99]), heldout=False,
-    )  # fmt: skip
+        argmax=np.array([-1, -1, 13, 14, 99]),
+        heldout=False,
+    )
     index = np.full(128, -1)
     index[[13, 14]] = [0, 1]
     ex = train.to_example(seq, index)
@@ -474,8 +553,7 @@ def test_a_head_trained_for_a_moe_target_loads_and_drafts_losslessly(tmp_path):
 
     prompt_dir = write_prompt_set(tmp_path / "prompts")
     out = str(tmp_path / "head")
-    run_script(*trainer_args(MOE_TARGET, prompt_dir, str(tmp_path / "work"), out,
-                             "--steps", "24"))  # fmt: skip
+    run_script(*trainer_args(MOE_TARGET, prompt_dir, str(tmp_path / "work"), out, "--steps", "24"))
     with open(os.path.join(out, "config.json")) as f:
         rec = json.load(f)["training"]
     assert rec["final_loss"] < 0.7 * rec["first_loss"], rec
@@ -487,8 +565,11 @@ def test_a_head_trained_for_a_moe_target_loads_and_drafts_losslessly(tmp_path):
     def greedy(engine: Engine, tokens: list[int]):
         frames: list = []
         options = Options(num_predict=30, temperature=0, repeat_penalty=1.0)
-        engine.run(engine.prepare(Completion(id="r", tokens=tokens, options=options)),
-                   frames.append, lambda: False)  # fmt: skip
+        engine.run(
+            engine.prepare(Completion(id="r", tokens=tokens, options=options)),
+            frames.append,
+            lambda: False,
+        )
         ids = [t for f in frames if type(f).__name__ == "Token" for t in f.tokens]
         return ids, frames[-1]
 
@@ -555,6 +636,7 @@ def test_a_time_budget_sizes_the_prompts_and_cuts_the_steps(trained, tmp_path):
         budget = json.load(f)
     assert rec["minutes_budget"] == 0.004 and 1 <= rec["prompts"] == budget["prompts"] < 7
     assert rec["steps"] < 100000
-    again = run_script(*trainer_args(target, prompt_dir, work, out, "--minutes", "0.004",
-                                     "--stage", "generate"))  # fmt: skip
+    again = run_script(
+        *trainer_args(target, prompt_dir, work, out, "--minutes", "0.004", "--stage", "generate")
+    )
     assert "(0 cached)" not in again and "budget 0.004" not in again

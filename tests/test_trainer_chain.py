@@ -179,10 +179,24 @@ def test_train_head_trains_a_fused_head_by_training_time_test(tiny_checkpoint, t
     pass-through it started as."""
     prompt_dir = write_prompt_set(tmp_path / "prompts")
     out = str(tmp_path / "head")
-    log = run_script(*trainer_args(
-        tiny_checkpoint, prompt_dir, str(tmp_path / "work"), out, "--steps", "24",
-        "--chain-steps", "2", "--fuse", "--feature-layers", "1", "--minutes", "0",
-    ), timeout=300)  # fmt: skip
+    log = run_script(
+        *trainer_args(
+            tiny_checkpoint,
+            prompt_dir,
+            str(tmp_path / "work"),
+            out,
+            "--steps",
+            "24",
+            "--chain-steps",
+            "2",
+            "--fuse",
+            "--feature-layers",
+            "1",
+            "--minutes",
+            "0",
+        ),
+        timeout=300,
+    )
     assert " chain " in log
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
@@ -194,10 +208,22 @@ def test_train_head_trains_a_fused_head_by_training_time_test(tiny_checkpoint, t
     streams_block = np.array(weights["fuse.proj.weight"])[:, : head.config.hidden_size]
     assert np.abs(streams_block).max() > 1e-3  # the low stream is read now
     # Continuing it without its streams is refused, naming them.
-    proc = train_command(*trainer_args(
-        tiny_checkpoint, prompt_dir, str(tmp_path / "work"), str(tmp_path / "more"),
-        "--steps", "2", "--stage", "train", "--init-head", out, "--minutes", "0",
-    ))  # fmt: skip
+    proc = train_command(
+        *trainer_args(
+            tiny_checkpoint,
+            prompt_dir,
+            str(tmp_path / "work"),
+            str(tmp_path / "more"),
+            "--steps",
+            "2",
+            "--stage",
+            "train",
+            "--init-head",
+            out,
+            "--minutes",
+            "0",
+        )
+    )
     assert proc.returncode == 1 and "fuses the streams after layers [1]" in proc.stderr
 
 
@@ -208,12 +234,35 @@ def test_a_head_that_cannot_be_loaded_is_named_without_a_traceback(tiny_checkpoi
     env = dict(os.environ, PYTHONPATH=ROOT)
     for argv in (
         ["eval-head", tiny_checkpoint, "--head", missing, "--work-dir", str(tmp_path / "e")],
-        ["train-head", tiny_checkpoint, "--out", str(tmp_path / "o"), "--work-dir",
-         str(tmp_path / "w"), "--init-head", missing, "--template", "chatml", "--minutes", "0",
-         "--max-prompts", "1", "--max-heldout", "1", "--max-new-tokens", "4"],
-    ):  # fmt: skip
-        proc = subprocess.run([sys.executable, "-m", "runner", *argv], capture_output=True,
-                              text=True, timeout=120, env=env, cwd=ROOT)  # fmt: skip
+        [
+            "train-head",
+            tiny_checkpoint,
+            "--out",
+            str(tmp_path / "o"),
+            "--work-dir",
+            str(tmp_path / "w"),
+            "--init-head",
+            missing,
+            "--template",
+            "chatml",
+            "--minutes",
+            "0",
+            "--max-prompts",
+            "1",
+            "--max-heldout",
+            "1",
+            "--max-new-tokens",
+            "4",
+        ],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "runner", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=ROOT,
+        )
         assert proc.returncode == 1, proc.stderr
         assert f"cannot load the head {missing}" in proc.stderr
         assert "Traceback" not in proc.stderr
@@ -262,9 +311,14 @@ def test_left_padded_generation_records_the_streams_a_lone_sequence_has(tiny_che
     tok = loaded.tokenizer
     ids = [tok.encode(t) for t in ("hello there", "the capital of France is", "a")]
     seqs = generate.generate_batch(
-        RunnerTarget(tiny_checkpoint), ids, [0.0, 0.0, 0.0], prompt_ids=[0, 1, 2],
-        max_new_tokens=10, eos_ids=set(tok.eos_ids), feature_layers=(1,),
-    )  # fmt: skip
+        RunnerTarget(tiny_checkpoint),
+        ids,
+        [0.0, 0.0, 0.0],
+        prompt_ids=[0, 1, 2],
+        max_new_tokens=10,
+        eos_ids=set(tok.eos_ids),
+        feature_layers=(1,),
+    )
     for s in seqs:
         h, streams = loaded.model.hidden(
             mx.array(s.tokens[None, :-1]), loaded.model.make_caches(), features=(1,)
@@ -292,7 +346,7 @@ def test_a_fused_head_serves_shared_forwards_as_alone(tiny_checkpoint, tmp_path,
             id=f"r{i}",
             tokens=[5 + i, 17] + [(7 * j + i) % 250 for j in range(40 * i)],
             options=Options(temperature=0, num_predict=8 + 6 * i),
-        )  # fmt: skip
+        )
         for i in range(3)
     ]
     # Together first, on an empty prefix cache: the later prompts prefill between forwards.
@@ -331,9 +385,17 @@ def test_generation_adds_prompts_while_its_share_of_the_budget_has_time(tiny_che
     target = RunnerTarget(tiny_checkpoint, tune=False)
     prompt_dir = write_prompt_set(tmp_path / "prompts")
     work = str(tmp_path / "work")
-    cfg = TrainConfig(target=tiny_checkpoint, out=str(tmp_path / "head"), work_dir=work,
-                      prompts_dir=prompt_dir, template="chatml", max_new_tokens=6,
-                      gen_batch=2, minutes=30.0, temperatures=(0.0, 0.7))  # fmt: skip
+    cfg = TrainConfig(
+        target=tiny_checkpoint,
+        out=str(tmp_path / "head"),
+        work_dir=work,
+        prompts_dir=prompt_dir,
+        template="chatml",
+        max_new_tokens=6,
+        gen_batch=2,
+        minutes=30.0,
+        temperatures=(0.0, 0.7),
+    )
     os.makedirs(work)
     with open(os.path.join(work, "budget.json"), "w") as f:  # as if the timing said 1
         json.dump({"minutes": 30.0, "answers_per_second": 0.001, "prompts": 1}, f)

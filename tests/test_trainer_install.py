@@ -21,8 +21,18 @@ from runner.loader import load_model
 ROOT = Path(__file__).resolve().parent.parent
 # Runtime dependencies (and pip) shared from this environment by path, so the install needs
 # no download but setuptools for the build.
-SHARED = ("mlx", "mlx_cpu.libs", "numpy", "numpy.libs", "tokenizers", "msgspec", "jinja2",
-          "markupsafe", "llguidance", "pip")  # fmt: skip
+SHARED = (
+    "mlx",
+    "mlx_cpu.libs",
+    "numpy",
+    "numpy.libs",
+    "tokenizers",
+    "msgspec",
+    "jinja2",
+    "markupsafe",
+    "llguidance",
+    "pip",
+)
 
 
 def run(cmd: list, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -48,8 +58,11 @@ def installed(tmp_path_factory) -> Path:
             (deps / name).symlink_to(site / name)
     (site_packages,) = (venv / "lib").glob("python3*/site-packages")
     (site_packages / "shared-deps.pth").write_text(f"{deps}\n")
-    run([venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--quiet", ROOT],
-        cwd=base, timeout=600)  # fmt: skip
+    run(
+        [venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--quiet", ROOT],
+        cwd=base,
+        timeout=600,
+    )
     return venv
 
 
@@ -66,12 +79,38 @@ def test_the_installed_command_trains_a_head_that_loads_and_drafts(
     assert helped.startswith("usage: mtp-runner train-head") and "--out" in helped
 
     out, work = tmp_path / "head", tmp_path / "work"
-    proc = run([
-        venv / "bin" / "mtp-runner", "train-head", tiny_checkpoint, "--out", out,
-        "--work-dir", work, "--template", "chatml", "--max-prompts", "8", "--max-heldout", "2",
-        "--max-new-tokens", "16", "--gen-batch", "4", "--draft-vocab", "48", "--batch", "256",
-        "--steps", "24", "--warmup", "2", "--eval-every", "8",
-    ], cwd=tmp_path)  # fmt: skip
+    proc = run(
+        [
+            venv / "bin" / "mtp-runner",
+            "train-head",
+            tiny_checkpoint,
+            "--out",
+            out,
+            "--work-dir",
+            work,
+            "--template",
+            "chatml",
+            "--max-prompts",
+            "8",
+            "--max-heldout",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--gen-batch",
+            "4",
+            "--draft-vocab",
+            "48",
+            "--batch",
+            "256",
+            "--steps",
+            "24",
+            "--warmup",
+            "2",
+            "--eval-every",
+            "8",
+        ],
+        cwd=tmp_path,
+    )
     assert "generate [" in proc.stderr and "train [" in proc.stderr  # progress bars, on stderr
     assert proc.stdout == ""
     record = json.loads((out / "config.json").read_text())["training"]
@@ -84,8 +123,11 @@ def test_the_installed_command_trains_a_head_that_loads_and_drafts(
     def greedy(engine: Engine, tokens: list[int]) -> list[int]:
         frames: list = []
         options = Options(num_predict=24, temperature=0, repeat_penalty=1.0)
-        engine.run(engine.prepare(Completion(id="r", tokens=tokens, options=options)),
-                   frames.append, lambda: False)  # fmt: skip
+        engine.run(
+            engine.prepare(Completion(id="r", tokens=tokens, options=options)),
+            frames.append,
+            lambda: False,
+        )
         return [t for f in frames if type(f).__name__ == "Token" for t in f.tokens]
 
     plain = Engine(EngineOptions(model_path=tiny_checkpoint, use_draft=False))

@@ -327,8 +327,9 @@ def test_pair_keys_with_a_draft_cache_and_sliding_layers(small_steps):
 
     model = load("gemma3_text_old")
     draft = DraftWriter(model.args.vocab_size)
-    pc = PrefixCache([*model.make_caches(), KVCache()], 96 * 1024, pair_keys=True,
-                     snapshot_interval=16)  # fmt: skip
+    pc = PrefixCache(
+        [*model.make_caches(), KVCache()], 96 * 1024, pair_keys=True, snapshot_interval=16
+    )
     stats = run_property(model, pc, 60, seed=8, draft=draft)
     assert stats["hits"] >= 20
 

@@ -81,8 +81,14 @@ def evaluate_chain(
     result = ChainResult(depth)
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].prompt_len)
     for start in range(0, len(order), batch_size):
-        _run_batch(head, target, [seqs[i] for i in order[start : start + batch_size]],
-                   depth, sampling, result)  # fmt: skip
+        _run_batch(
+            head,
+            target,
+            [seqs[i] for i in order[start : start + batch_size]],
+            depth,
+            sampling,
+            result,
+        )
     return result.summary()
 
 

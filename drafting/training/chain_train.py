@@ -53,13 +53,19 @@ def collate_chain(examples: list, steps: int) -> ChainBatch:
     for b, e in enumerate(examples):
         n = len(e.tokens)
         tokens[b, :n], rows[b, :n], labels[b, :n], nxt[b, :n] = (
-            e.tokens, e.hiddens, e.labels, e.next_hiddens,
-        )  # fmt: skip
+            e.tokens,
+            e.hiddens,
+            e.labels,
+            e.next_hiddens,
+        )
     return ChainBatch(
-        tokens=tokens, rows=rows, labels=labels, next_hiddens=nxt,
+        tokens=tokens,
+        rows=rows,
+        labels=labels,
+        next_hiddens=nxt,
         first_loss=np.array([e.first_loss for e in examples], dtype=np.int64),
         pairs=int(sum(len(e.tokens) for e in examples)),
-    )  # fmt: skip
+    )
 
 
 def chain_mask(length: int, step: int) -> mx.array:
@@ -172,8 +178,9 @@ class ChainTrainer:
     def __init__(self, head, opts: ChainOptions, threads=contextlib.nullcontext) -> None:
         """``threads``: a context factory for the steps' products (``Target.training_threads``)."""
         self.head, self.opts, self.threads = head, opts, threads
-        self.params = {k: np.array(v, dtype=np.float32) for k, v in
-                       tree_flatten(head.trainable_parameters())}  # fmt: skip
+        self.params = {
+            k: np.array(v, dtype=np.float32) for k, v in tree_flatten(head.trainable_parameters())
+        }
         self._grad = nn.value_and_grad(head, lambda b: chain_loss(head, b, opts))
 
     def _load(self) -> None:

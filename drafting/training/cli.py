@@ -46,51 +46,84 @@ def _temperatures(text: str) -> tuple[float, ...]:
 def train_parser() -> argparse.ArgumentParser:
     d = TrainConfig("", "", "")
     p = argparse.ArgumentParser(
-        prog="mtp-runner train-head", description=TRAIN_HELP,
+        prog="mtp-runner train-head",
+        description=TRAIN_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     p.add_argument("model", help="target model (Hugging Face directory or GGUF file)")
     p.add_argument("--out", required=True, help="sidecar directory to write")
-    p.add_argument("--work-dir", help="generated data and checkpoints "
-                   "(default: the runner's cache dir, train/<model name>)")  # fmt: skip
+    p.add_argument(
+        "--work-dir",
+        help="generated data and checkpoints (default: the runner's cache dir, train/<model name>)",
+    )
     p.add_argument("--stage", choices=["all", "generate", "train"], default=d.stage)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     g = p.add_argument_group("data")
     g.add_argument(
         "--prompts-dir", default=PROMPT_DIR, help="prompt set (default: the bundled one)"
     )
-    g.add_argument("--template", default=d.template,
-                   help=f"chat template: model (the target's own, the default), "
-                   f"{', '.join(CHAT_TEMPLATES)} or a format string "
-                   "containing {prompt}")  # fmt: skip
-    g.add_argument("--max-per-template", type=int, default=d.max_per_template,
-                   help="prompts per slot template at most (the budget takes what fits, "
-                   "round-robin across templates)")  # fmt: skip
-    g.add_argument("--minutes", type=float, default=d.minutes,
-                   help="time budget of the whole run, generation included: the training "
-                   "prompts and steps are what fits (default 180; 0: no budget)")  # fmt: skip
-    g.add_argument("--max-prompts", type=int, default=d.max_prompts,
-                   help="training prompts at most, across templates (0: all)")  # fmt: skip
+    g.add_argument(
+        "--template",
+        default=d.template,
+        help=f"chat template: model (the target's own, the default), "
+        f"{', '.join(CHAT_TEMPLATES)} or a format string "
+        "containing {prompt}",
+    )
+    g.add_argument(
+        "--max-per-template",
+        type=int,
+        default=d.max_per_template,
+        help="prompts per slot template at most (the budget takes what fits, "
+        "round-robin across templates)",
+    )
+    g.add_argument(
+        "--minutes",
+        type=float,
+        default=d.minutes,
+        help="time budget of the whole run, generation included: the training "
+        "prompts and steps are what fits (default 180; 0: no budget)",
+    )
+    g.add_argument(
+        "--max-prompts",
+        type=int,
+        default=d.max_prompts,
+        help="training prompts at most, across templates (0: all)",
+    )
     g.add_argument("--max-heldout", type=int, default=d.max_heldout)
-    g.add_argument("--temperatures", type=_temperatures, default=d.temperatures,
-                   help="an answer per prompt at each temperature (0: greedy): 0,0.7")  # fmt: skip
+    g.add_argument(
+        "--temperatures",
+        type=_temperatures,
+        default=d.temperatures,
+        help="an answer per prompt at each temperature (0: greedy): 0,0.7",
+    )
     g.add_argument("--top-k", type=int, default=d.top_k)
     g.add_argument("--top-p", type=float, default=d.top_p)
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     g.add_argument("--gen-batch", type=int, default=d.gen_batch, help="answers per forward")
     g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--feature-layers", default=d.feature_layers,
-                   help="residual streams recorded for a fused-feature head (auto: after 2 and "
-                   "L/2 layers; none; or a list like 2,15; default: auto with --fuse)")  # fmt: skip
+    g.add_argument(
+        "--feature-layers",
+        default=d.feature_layers,
+        help="residual streams recorded for a fused-feature head (auto: after 2 and "
+        "L/2 layers; none; or a list like 2,15; default: auto with --fuse)",
+    )
     t = p.add_argument_group("training")
     t.add_argument("--draft-vocab", type=int, default=d.draft_vocab)
-    t.add_argument("--loss", choices=["ce", "kl", "mix"], default=d.loss,
-                   help="ce: argmax labels; kl: the target's distribution over the draft "
-                   "vocabulary; mix: both")  # fmt: skip
+    t.add_argument(
+        "--loss",
+        choices=["ce", "kl", "mix"],
+        default=d.loss,
+        help="ce: argmax labels; kl: the target's distribution over the draft "
+        "vocabulary; mix: both",
+    )
     t.add_argument("--init-head", help="start from this sidecar (and its draft vocabulary)")
-    t.add_argument("--fc-init", choices=["residual", "default"], default=d.fc_init,
-                   help="scale fc's init to the RMS of the residual stream entering the "
-                   "target's last layer (residual) or keep nn.Linear's")  # fmt: skip
+    t.add_argument(
+        "--fc-init",
+        choices=["residual", "default"],
+        default=d.fc_init,
+        help="scale fc's init to the RMS of the residual stream entering the "
+        "target's last layer (residual) or keep nn.Linear's",
+    )
     t.add_argument(
         "--hidden-loss",
         type=float,
@@ -110,22 +143,35 @@ def train_parser() -> argparse.ArgumentParser:
         default=d.chain_decay,
         help="loss weight decay per chained step",
     )
-    t.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=d.fuse,
-                   help="fuse the recorded feature layers into the head's input")  # fmt: skip
+    t.add_argument(
+        "--fuse",
+        action=argparse.BooleanOptionalAction,
+        default=d.fuse,
+        help="fuse the recorded feature layers into the head's input",
+    )
     t.add_argument("--epochs", type=float, default=d.epochs)
     t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (over --epochs)")
     t.add_argument("--batch", type=int, default=d.batch, help="pairs per step")
     t.add_argument("--lr", type=float, default=d.lr)
-    t.add_argument("--lr-mode", choices=["absolute", "relative"], default=d.lr_mode,
-                   help="relative: per-tensor steps of lr x the tensor's initial RMS")  # fmt: skip
+    t.add_argument(
+        "--lr-mode",
+        choices=["absolute", "relative"],
+        default=d.lr_mode,
+        help="relative: per-tensor steps of lr x the tensor's initial RMS",
+    )
     t.add_argument("--warmup", type=int, default=d.warmup)
     t.add_argument("--weight-decay", type=float, default=d.weight_decay)
     t.add_argument("--eval-every", type=int, default=d.eval_every)
     t.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    t.add_argument("--stop-after", type=int, default=d.stop_after,
-                   help="checkpoint and stop at this step (then --resume)")  # fmt: skip
-    t.add_argument("--partial", action="store_true",
-                   help="train on the batches generated so far (pilot runs)")  # fmt: skip
+    t.add_argument(
+        "--stop-after",
+        type=int,
+        default=d.stop_after,
+        help="checkpoint and stop at this step (then --resume)",
+    )
+    t.add_argument(
+        "--partial", action="store_true", help="train on the batches generated so far (pilot runs)"
+    )
     return p
 
 
@@ -134,8 +180,11 @@ def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mtp-runner eval-head", description=EVAL_HELP)
     p.add_argument("model", help="target model (Hugging Face directory or GGUF file)")
     p.add_argument("--head", required=True, help="sidecar directory")
-    p.add_argument("--work-dir", help="cache of the generated held-out answers "
-                   "(default: the runner's cache dir, eval/<model name>)")  # fmt: skip
+    p.add_argument(
+        "--work-dir",
+        help="cache of the generated held-out answers "
+        "(default: the runner's cache dir, eval/<model name>)",
+    )
     p.add_argument("--json", dest="json_path", help="write the report here too")
     p.add_argument("--prompts-dir", default=PROMPT_DIR)
     p.add_argument("--template", default=d.template, help="as for train-head")

@@ -80,8 +80,14 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise TrainingError(f"{name} must be one of {', '.join(allowed)}")
-        for name in ("gen_batch", "gen_workers", "batch", "max_new_tokens", "draft_vocab",
-                     "chain_steps"):  # fmt: skip
+        for name in (
+            "gen_batch",
+            "gen_workers",
+            "batch",
+            "max_new_tokens",
+            "draft_vocab",
+            "chain_steps",
+        ):
             if getattr(self, name) < 1:
                 raise TrainingError(f"{name} must be at least 1")
         if self.minutes < 0:

@@ -66,8 +66,10 @@ class NumpyHead:
         args = target.model.args
         self.eps = float(head.config.rms_norm_eps)
         self.n_heads, self.n_kv, self.head_dim = (
-            args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-        )  # fmt: skip
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+        )
         self.scale = np.float32(args.head_dim**-0.5)
         rope = head.layers[0].self_attn.rope
         self.rope_dims, self.traditional = rope.dims, rope.traditional
@@ -196,11 +198,38 @@ class NumpyHead:
         y, r_y = rms_forward(x2r, p["norm"], eps)
         logits = y @ self.out_t
         cache = dict(
-            shape=(batch, length), rows=rows, e=e, h=h, r_e=r_e, r_h=r_h, c=c, x0=x0, r_1=r_1,
-            a=a, q=q, k=k, v=v, qn=qn_state, kn=kn_state, cos=cos, sin=sin, probs=probs,
-            o_in=o_in, x1=x1, m=m, r_2=r_2, g=g, u=u, sig=sig, act=act, x2r=x2r, r_y=r_y, y=y,
-            keep_o=keep_o, keep_act=keep_act,
-        )  # fmt: skip
+            shape=(batch, length),
+            rows=rows,
+            e=e,
+            h=h,
+            r_e=r_e,
+            r_h=r_h,
+            c=c,
+            x0=x0,
+            r_1=r_1,
+            a=a,
+            q=q,
+            k=k,
+            v=v,
+            qn=qn_state,
+            kn=kn_state,
+            cos=cos,
+            sin=sin,
+            probs=probs,
+            o_in=o_in,
+            x1=x1,
+            m=m,
+            r_2=r_2,
+            g=g,
+            u=u,
+            sig=sig,
+            act=act,
+            x2r=x2r,
+            r_y=r_y,
+            y=y,
+            keep_o=keep_o,
+            keep_act=keep_act,
+        )
         return logits, cache
 
     def backward(
@@ -308,9 +337,16 @@ class Adam:
     copied layer, the rescaled fc and the norm gains all change by about the same fraction
     per step instead of by the same absolute amount."""
 
-    def __init__(self, params: dict[str, np.ndarray], lr: float, warmup: int, total: int,
-                 weight_decay: float = 0.0, clip: float = 1.0,
-                 relative: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params: dict[str, np.ndarray],
+        lr: float,
+        warmup: int,
+        total: int,
+        weight_decay: float = 0.0,
+        clip: float = 1.0,
+        relative: bool = False,
+    ) -> None:
         self.lr, self.warmup, self.total = lr, max(warmup, 1), max(total, 1)
         self.weight_decay, self.clip = weight_decay, clip
         self.b1, self.b2, self.eps = 0.9, 0.999, 1e-8

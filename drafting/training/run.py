@@ -75,13 +75,24 @@ def build_jobs(
     return jobs, record
 
 
-def _settings(target: str, max_new_tokens: int, batch: int, top_k: int, seed: int, top_p: float,
-              feature_layers: tuple[int, ...] = ()):  # fmt: skip
+def _settings(
+    target: str,
+    max_new_tokens: int,
+    batch: int,
+    top_k: int,
+    seed: int,
+    top_p: float,
+    feature_layers: tuple[int, ...] = (),
+):
     return dataset.GenSettings(
-        target=os.path.abspath(os.path.expanduser(target)), max_new_tokens=max_new_tokens,
-        batch_size=batch, top_k=top_k, seed=seed, top_p=top_p,
+        target=os.path.abspath(os.path.expanduser(target)),
+        max_new_tokens=max_new_tokens,
+        batch_size=batch,
+        top_k=top_k,
+        seed=seed,
+        top_p=top_p,
         feature_layers=list(feature_layers),
-    )  # fmt: skip
+    )
 
 
 def feature_layers(spec: str, layers: int) -> tuple[int, ...]:
@@ -181,9 +192,10 @@ def generate(cfg: TrainConfig, target: Target) -> dict:
             f"{len(jobs)} answers in {len(batches)} batches ({have} cached)"
         )
         missing = sum(
-            len(b) for i, b in enumerate(batches)
+            len(b)
+            for i, b in enumerate(batches)
             if not os.path.exists(dataset.batch_path(cfg.work_dir, i))
-        )  # fmt: skip
+        )
         seconds = run_generation(cfg.work_dir, target)
         log(f"[gen] done in {seconds / 60:.1f} min")
         if count is None:

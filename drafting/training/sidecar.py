@@ -27,9 +27,10 @@ def build_head(
     model = target.model
     layer = target.head_layer()
     config = HeadConfig(
-        hidden_size=model.args.hidden_size, rms_norm_eps=model.args.rms_norm_eps,
+        hidden_size=model.args.hidden_size,
+        rms_norm_eps=model.args.rms_norm_eps,
         feature_layers=list(feature_layers or []),
-    )  # fmt: skip
+    )
     head = MTPHead(config, layer, model.embed, model.output_weight)
     head.norm.weight = mx.array(model.model.norm.weight)
     head.set_draft_vocab(draft_vocab)
@@ -59,6 +60,10 @@ def match_residual_scale(head: MTPHead, target: Target, tokens: list[int]) -> fl
 def write_head(out_dir: str, head: MTPHead, target: Target, training: dict) -> None:
     """Write ``head`` as a float16 sidecar in the Qwen3-Next naming (drafting.load's format)."""
     write_sidecar(
-        out_dir, head, naming="qwen3_next", target=sidecar_target(target.model.args),
-        training=training, dtype=mx.float16,
-    )  # fmt: skip
+        out_dir,
+        head,
+        naming="qwen3_next",
+        target=sidecar_target(target.model.args),
+        training=training,
+        dtype=mx.float16,
+    )

@@ -356,21 +356,37 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
         trainer.collate([held_ex[i] for i in g], with_unlabeled=True)
         for g in make_batches(held_ex, args.batch)
     ]
-    opt = Adam(trainer.params, args.lr, args.warmup, total, weight_decay=args.weight_decay,
-               relative=args.lr_mode == "relative")  # fmt: skip
-    meta = {"vocab": vocab, "total": total, "loss": args.loss, "seed": args.seed,
-            "lr_mode": args.lr_mode, "hidden_loss": args.hidden_loss, "dropout": args.dropout,
-            "init_head": args.init_head, "chain_steps": args.chain_steps,
-            "chain_decay": args.chain_decay, "feature_layers": layers}  # fmt: skip
+    opt = Adam(
+        trainer.params,
+        args.lr,
+        args.warmup,
+        total,
+        weight_decay=args.weight_decay,
+        relative=args.lr_mode == "relative",
+    )
+    meta = {
+        "vocab": vocab,
+        "total": total,
+        "loss": args.loss,
+        "seed": args.seed,
+        "lr_mode": args.lr_mode,
+        "hidden_loss": args.hidden_loss,
+        "dropout": args.dropout,
+        "init_head": args.init_head,
+        "chain_steps": args.chain_steps,
+        "chain_decay": args.chain_decay,
+        "feature_layers": layers,
+    }
     step, elapsed_before = 0, 0.0
     ckpt = checkpoint_path(work_dir, args.out)
     budgeted = args.minutes > 0  # the step count may be cut to the time budget
     if args.resume and os.path.exists(ckpt):
         saved = checkpoint_meta(ckpt)
         differ = [
-            k for k in meta
+            k
+            for k in meta
             if not (budgeted and k == "total") and saved.get(k, RECORDED_LATER.get(k)) != meta[k]
-        ]  # fmt: skip
+        ]
         if differ:  # checked before loading: the trainers name their parameters differently
             raise TrainingError(
                 f"the checkpoint {ckpt} was made with other training options "
@@ -446,14 +462,16 @@ def train_and_write(args: TrainConfig, target: Target) -> dict | None:
     final_acc = measure()[0]
     head.load_weights(trainer.to_head_weights(), strict=True)
     record = training_record(args, work_dir, train_ex, answer_pairs, vocab, cov_held, layers)
-    record.update({
-        "train_minutes": round(train_seconds / 60, 2),
-        "steps": total,
-        "epochs": round(total / steps_per_epoch, 2),
-        "first_loss": round(float(np.mean(history[:10])), 4) if history else None,
-        "final_loss": round(float(np.mean(history[-10:])), 4) if history else None,
-        "heldout_acceptance": round(final_acc, 4),
-    })  # fmt: skip
+    record.update(
+        {
+            "train_minutes": round(train_seconds / 60, 2),
+            "steps": total,
+            "epochs": round(total / steps_per_epoch, 2),
+            "first_loss": round(float(np.mean(history[:10])), 4) if history else None,
+            "final_loss": round(float(np.mean(history[-10:])), 4) if history else None,
+            "heldout_acceptance": round(final_acc, 4),
+        }
+    )
     if start_head is not None:  # the written head's time includes the stage it started from
         earlier = start_head.config.extra.get("training", {})
         record["train_minutes"] = round(

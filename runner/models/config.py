@@ -142,22 +142,51 @@ FOREIGN_KEYS: dict[str, tuple[Any, ...]] = {
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ALIASES = {"smollm": "llama", "smollm2": "llama"}
-SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-             "vocab_size")  # fmt: skip
+SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "vocab_size",
+)
 # transformers 5's defaults for keys a config.json may omit (its config classes).
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6,
-              "max_position_embeddings": 2048, "tie_word_embeddings": False},
-    "mistral": {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-6,
-                "max_position_embeddings": 4096 * 32, "tie_word_embeddings": False,
-                "sliding_window": 4096},
-    "qwen2": {"num_key_value_heads": 32, "head_dim": None, "rms_norm_eps": 1e-6,
-              "max_position_embeddings": 32768, "tie_word_embeddings": False,
-              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
-    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6,
-              "max_position_embeddings": 32768, "tie_word_embeddings": False,
-              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
-}  # fmt: skip
+    "llama": {
+        "num_key_value_heads": None,
+        "head_dim": None,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    },
+    "mistral": {
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096 * 32,
+        "tie_word_embeddings": False,
+        "sliding_window": 4096,
+    },
+    "qwen2": {
+        "num_key_value_heads": 32,
+        "head_dim": None,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "qwen3": {
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+}
 ACTIVATIONS = ("silu", "swish")
 
 
@@ -244,9 +273,10 @@ def _table(params: dict, key: str, pairs: int, where: str, path: str | None) -> 
         raise malformed(f"{where}.{key}", "expected a list of positive numbers", path)
     if len(value) != pairs:
         raise malformed(
-            f"{where}.{key}", f"expected {pairs} entries (one per rotated pair), found "
-            f"{len(value)}", path,
-        )  # fmt: skip
+            f"{where}.{key}",
+            f"expected {pairs} entries (one per rotated pair), found {len(value)}",
+            path,
+        )
     return [float(v) for v in value]
 
 
@@ -394,9 +424,11 @@ def read_rope(
     nested = nested_rope_keys(params, layer_types)
     if not nested:
         return rope_spec(
-            params, original_max_position_embeddings=cfg.get("original_max_position_embeddings"),
-            where=prefix + key, **common,
-        )  # fmt: skip
+            params,
+            original_max_position_embeddings=cfg.get("original_max_position_embeddings"),
+            where=prefix + key,
+            **common,
+        )
     out = {}
     for layer_type in nested:
         entry = params[layer_type]
@@ -430,9 +462,11 @@ def _layer_types(cfg: dict, layers: int, prefix: str, path: str | None) -> list[
     for t in types:
         if t not in LAYER_TYPES:
             raise refuse(
-                prefix + "layer_types", t, f"layer types implemented: {', '.join(LAYER_TYPES)}",
+                prefix + "layer_types",
+                t,
+                f"layer types implemented: {', '.join(LAYER_TYPES)}",
                 path,
-            )  # fmt: skip
+            )
     return list(types)
 
 
@@ -453,9 +487,12 @@ def refuse_foreign(
     for key, neutral in (FOREIGN_KEYS if keys is None else keys).items():
         if key in cfg and not any(cfg[key] is n or cfg[key] == n for n in neutral):
             raise refuse(
-                prefix + key, cfg[key], f"not part of the {family} architecture the runner "
-                "implements (the checkpoint needs other model code)", path,
-            )  # fmt: skip
+                prefix + key,
+                cfg[key],
+                f"not part of the {family} architecture the runner "
+                "implements (the checkpoint needs other model code)",
+                path,
+            )
 
 
 def read_window(
@@ -480,10 +517,11 @@ def read_window(
             # transformers' mistral masks every layer with the window, whatever layer_types say.
             if types is not None and "full_attention" in types:
                 raise refuse(
-                    prefix + "layer_types", types,
+                    prefix + "layer_types",
+                    types,
                     "mistral's reference code slides every layer; a mix needs another family",
                     path,
-                )  # fmt: skip
+                )
             types = ["sliding_attention"] * layers
         elif family == "llama" and window is not None and types is None:
             types = ["sliding_attention"] * layers
@@ -529,8 +567,9 @@ def read_llama_family(config: dict, path: str | None = None) -> dict:
     if args["num_key_value_heads"] < 1 or heads % args["num_key_value_heads"]:
         raise malformed(
             prefix + "num_key_value_heads",
-            f"{args['num_key_value_heads']} does not divide num_attention_heads {heads}", path,
-        )  # fmt: skip
+            f"{args['num_key_value_heads']} does not divide num_attention_heads {heads}",
+            path,
+        )
     head_dim = get("head_dim")
     args["head_dim"] = args["hidden_size"] // heads if head_dim is None else int(head_dim)
     args["rms_norm_eps"] = float(get("rms_norm_eps"))
@@ -558,30 +597,40 @@ def read_llama_family(config: dict, path: str | None = None) -> dict:
     if window.applies(max_pos):
         if family == "llama":
             raise refuse(
-                prefix + "sliding_window", window.sliding_window,
+                prefix + "sliding_window",
+                window.sliding_window,
                 "transformers' llama masks causally but keeps a windowed cache; no consistent "
-                "model to reproduce", path,
-            )  # fmt: skip
+                "model to reproduce",
+                path,
+            )
     args["sliding_window"] = window.sliding_window
     args["layer_types"] = window.layer_types
 
     rope = read_rope(
-        cfg, head_dim=args["head_dim"], max_position_embeddings=max_pos,
-        layer_types=cfg.get("layer_types"), path=path, prefix=prefix,
-    )  # fmt: skip
+        cfg,
+        head_dim=args["head_dim"],
+        max_position_embeddings=max_pos,
+        layer_types=cfg.get("layer_types"),
+        path=path,
+        prefix=prefix,
+    )
     if isinstance(rope, dict):
         specs = list(rope.values())
         if any(s != specs[0] for s in specs[1:]):
             raise refuse(
-                prefix + "rope_parameters", sorted(rope), "different RoPE per layer type is "
-                f"not part of the {family} architecture", path,
-            )  # fmt: skip
+                prefix + "rope_parameters",
+                sorted(rope),
+                f"different RoPE per layer type is not part of the {family} architecture",
+                path,
+            )
         rope = specs[0]
     if rope.partial_rotary_factor != 1.0:
         raise refuse(
-            prefix + "partial_rotary_factor", rope.partial_rotary_factor,
-            f"{family} rotates the whole head", path,
-        )  # fmt: skip
+            prefix + "partial_rotary_factor",
+            rope.partial_rotary_factor,
+            f"{family} rotates the whole head",
+            path,
+        )
     args["rope_theta"] = rope.theta
     args["rope_scaling"] = rope.scaling
     return args

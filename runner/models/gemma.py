@@ -46,24 +46,40 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers 5's defaults for keys a config.json may omit (its config classes).
 _DEFAULTS = {
     "gemma2": {
-        "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 8192, "tie_word_embeddings": True, "attention_bias": False,
-        "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
-        "attn_logit_softcapping": 50.0, "hidden_activation": "gelu_pytorch_tanh",
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "hidden_activation": "gelu_pytorch_tanh",
     },
     "gemma3_text": {
-        "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 131072, "tie_word_embeddings": True, "attention_bias": False,
-        "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
-        "attn_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "hidden_activation": "gelu_pytorch_tanh",
     },
-}  # fmt: skip
+}
 _THETA = {"gemma2": (10000.0, 10000.0), "gemma3_text": (1_000_000.0, 10_000.0)}  # global, local
 # transformers' "gelu_pytorch_tanh" / "gelu_new" are the tanh approximation; "gelu" is exact.
 ACTIVATIONS = {
-    "gelu_pytorch_tanh": nn.gelu_approx, "gelu_new": nn.gelu_approx, "gelu_fast": nn.gelu_approx,
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "gelu_new": nn.gelu_approx,
+    "gelu_fast": nn.gelu_approx,
     "gelu": nn.gelu,
-}  # fmt: skip
+}
 # Keys of other architectures that change the math unless neutral (runner.models.config's list
 # without Gemma's own soft-caps and query scale).
 _FOREIGN = {
@@ -147,9 +163,12 @@ def _ropes(cfg: dict, family: str, head_dim: int, max_pos: int, path: str | None
     out = {}
     for t in LAYER_TYPES:
         spec = cfgs.rope_spec(
-            params[t], head_dim=head_dim, max_position_embeddings=max_pos,
-            where=f"rope_parameters.{t}", path=path,
-        )  # fmt: skip
+            params[t],
+            head_dim=head_dim,
+            max_position_embeddings=max_pos,
+            where=f"rope_parameters.{t}",
+            path=path,
+        )
         out[t] = spec
     return out
 
@@ -190,7 +209,7 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     gemma = GemmaSettings(
         query_pre_attn_scalar=_number(
             cfg, "query_pre_attn_scalar", defaults["query_pre_attn_scalar"], path
-        ),  # fmt: skip
+        ),
         attn_softcap=(
             _number(
                 cfg,
@@ -198,13 +217,13 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
                 defaults["attn_logit_softcapping"],
                 path,
                 optional=True,
-            )  # fmt: skip
+            )
             if family == "gemma2"  # transformers' Gemma 3 never passes the cap to attention
             else None
         ),
         final_softcap=_number(
             cfg, "final_logit_softcapping", defaults["final_logit_softcapping"], path, optional=True
-        ),  # fmt: skip
+        ),
         activation=act,
         qk_norm=family == "gemma3_text",
         ropes=ropes,
@@ -217,13 +236,20 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     extra = {k: v for k, v in cfg.items() if k not in ModelArgs.__dataclass_fields__}
     extra["gemma"] = gemma
     return ModelArgs(
-        model_type=family, **required, num_key_value_heads=int(kv), head_dim=head_dim,
-        rms_norm_eps=float(get("rms_norm_eps")), rope_theta=full.theta, rope_scaling=full.scaling,
+        model_type=family,
+        **required,
+        num_key_value_heads=int(kv),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("rms_norm_eps")),
+        rope_theta=full.theta,
+        rope_scaling=full.scaling,
         tie_word_embeddings=bool(defaults["tie_word_embeddings"] if tie is None else tie),
-        attention_bias=bool(get("attention_bias")), max_position_embeddings=max_pos,
+        attention_bias=bool(get("attention_bias")),
+        max_position_embeddings=max_pos,
         sliding_window=window if "sliding_attention" in types else None,
-        layer_types=types if "sliding_attention" in types else None, extra=extra,
-    )  # fmt: skip
+        layer_types=types if "sliding_attention" in types else None,
+        extra=extra,
+    )
 
 
 class RMSNorm(nn.Module):
@@ -257,9 +283,11 @@ class GemmaAttention(Attention):
         """Sliding and global layers may rotate with different bases (Gemma 3)."""
         rope = settings(args).rope(layer_type)
         return RoPE(
-            self.head_dim, base=rope.theta, scaling=rope.scaling,
+            self.head_dim,
+            base=rope.theta,
+            scaling=rope.scaling,
             max_position_embeddings=args.max_position_embeddings,
-        )  # fmt: skip
+        )
 
 
 class GemmaMLP(MLP):

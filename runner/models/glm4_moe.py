@@ -41,9 +41,12 @@ from runner.models.rope import RoPE
 FAMILIES = ("glm4_moe",)
 # transformers 5.24's Glm4MoeConfig defaults.
 _DEFAULTS = {
-    "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-    "tie_word_embeddings": False, "partial_rotary_factor": 0.5,
-}  # fmt: skip
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "partial_rotary_factor": 0.5,
+}
 _FOREIGN = {k: v for k, v in cfgs.FOREIGN_KEYS.items() if k != "use_qk_norm"}
 
 
@@ -72,13 +75,19 @@ def _read_moe(cfg: dict, layers: int, prefix: str, path: str | None) -> MoESetti
             prefix + "num_experts_per_tok", f"{top_k} > the experts of {keep} groups", path
         )
     return MoESettings(
-        num_experts=experts, top_k=top_k, intermediate_size=width, scoring="sigmoid",
+        num_experts=experts,
+        top_k=top_k,
+        intermediate_size=width,
+        scoring="sigmoid",
         norm_topk_prob=field("norm_topk_prob", True, bool),
         sparse_layers=tuple(i >= dense for i in range(layers)),
         routed_scaling_factor=field("routed_scaling_factor", 1.0, float, 0.0),
-        n_group=groups, topk_group=keep, correction_bias=True,
-        shared="plain" if shared else None, shared_intermediate_size=shared * width,
-    )  # fmt: skip
+        n_group=groups,
+        topk_group=keep,
+        correction_bias=True,
+        shared="plain" if shared else None,
+        shared_intermediate_size=shared * width,
+    )
 
 
 def model_args(config: dict, path: str | None = None) -> ModelArgs:
@@ -95,37 +104,47 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
         value = cfg.get(key)
         return _DEFAULTS.get(key) if value is None else value
 
-    kv = read_field(cfg, "num_key_value_heads", _DEFAULTS["num_key_value_heads"], int, prefix,
-                    path, minimum=1)  # fmt: skip
+    kv = read_field(
+        cfg, "num_key_value_heads", _DEFAULTS["num_key_value_heads"], int, prefix, path, minimum=1
+    )
     if heads % kv:
-        raise cfgs.malformed(prefix + "num_key_value_heads", f"{kv} does not divide the heads",
-                             path)  # fmt: skip
+        raise cfgs.malformed(
+            prefix + "num_key_value_heads", f"{kv} does not divide the heads", path
+        )
     head_dim = read_field(cfg, "head_dim", hidden // heads, int, prefix, path, minimum=1)
     act = cfg.get("hidden_act", "silu")
     if act not in cfgs.ACTIVATIONS:
-        raise cfgs.refuse(prefix + "hidden_act", act, "only silu (swish) MLPs are implemented",
-                          path)  # fmt: skip
+        raise cfgs.refuse(
+            prefix + "hidden_act", act, "only silu (swish) MLPs are implemented", path
+        )
     if cfg.get("rope_traditional"):
         raise cfgs.refuse(prefix + "rope_traditional", True, "glm4_moe rotates halves", path)
     cfgs.refuse_foreign(cfg, "glm4_moe", prefix, path, _FOREIGN)
     max_pos = int(get("max_position_embeddings"))
     rope_cfg = dict(cfg)
     rope_cfg["partial_rotary_factor"] = get("partial_rotary_factor")
-    rope = cfgs.read_rope(rope_cfg, head_dim=head_dim, max_position_embeddings=max_pos,
-                          path=path, prefix=prefix)  # fmt: skip
+    rope = cfgs.read_rope(
+        rope_cfg, head_dim=head_dim, max_position_embeddings=max_pos, path=path, prefix=prefix
+    )
     if isinstance(rope, dict):
         raise cfgs.refuse(prefix + "rope_parameters", sorted(rope), "glm4_moe has one RoPE", path)
     extra = {k: v for k, v in cfg.items() if k not in ModelArgs.__dataclass_fields__}
     extra["partial_rotary_factor"] = rope.partial_rotary_factor
     extra["moe"] = _read_moe(cfg, required["num_hidden_layers"], prefix, path)
     return ModelArgs(
-        model_type="glm4_moe", **required, num_key_value_heads=kv, head_dim=head_dim,
-        rms_norm_eps=float(get("rms_norm_eps")), rope_theta=rope.theta, rope_scaling=rope.scaling,
+        model_type="glm4_moe",
+        **required,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("rms_norm_eps")),
+        rope_theta=rope.theta,
+        rope_scaling=rope.scaling,
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         attention_bias=read_field(cfg, "attention_bias", False, bool, prefix, path),
         qk_norm=read_field(cfg, "use_qk_norm", False, bool, prefix, path),
-        max_position_embeddings=max_pos, extra=extra,
-    )  # fmt: skip
+        max_position_embeddings=max_pos,
+        extra=extra,
+    )
 
 
 class Glm4MoeAttention(Attention):
@@ -138,9 +157,12 @@ class Glm4MoeAttention(Attention):
     def make_rope(self, args: ModelArgs, layer_type: str) -> RoPE:
         partial = float(args.extra.get("partial_rotary_factor", 1.0))
         return RoPE(
-            int(self.head_dim * partial), base=args.rope_theta, scaling=args.rope_scaling,
-            max_position_embeddings=args.max_position_embeddings, head_dim=self.head_dim,
-        )  # fmt: skip
+            int(self.head_dim * partial),
+            base=args.rope_theta,
+            scaling=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+            head_dim=self.head_dim,
+        )
 
 
 class Glm4MoeDecoderLayer(MoEDecoderLayer):

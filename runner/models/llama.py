@@ -110,9 +110,12 @@ class Attention(nn.Module):
     def make_rope(self, args: ModelArgs, layer_type: str) -> RoPE:
         """The layer's rotation (families override it: partial rotary, per-layer-type bases)."""
         return RoPE(
-            self.head_dim, base=args.rope_theta, traditional=args.rope_traditional,
-            scaling=args.rope_scaling, max_position_embeddings=args.max_position_embeddings,
-        )  # fmt: skip
+            self.head_dim,
+            base=args.rope_theta,
+            traditional=args.rope_traditional,
+            scaling=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
 
     def fuse(self) -> bool:
         """Compute q, k and v in one product (see ``fuse_linears``)."""

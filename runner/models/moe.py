@@ -100,9 +100,16 @@ def settings(args: ModelArgs) -> MoESettings:
 
 
 def read_field(
-    cfg: dict, key: str, default: Any, kind: type, prefix: str, path: str | None,
-    *, minimum: float | None = None, aliases: tuple[str, ...] = (),
-) -> Any:  # fmt: skip
+    cfg: dict,
+    key: str,
+    default: Any,
+    kind: type,
+    prefix: str,
+    path: str | None,
+    *,
+    minimum: float | None = None,
+    aliases: tuple[str, ...] = (),
+) -> Any:
     """``cfg[key]`` (or the first alias present; ``default`` when absent or null) checked to
     be a ``kind`` (int, float or bool) no smaller than ``minimum``, else ``malformed``."""
     for name in (key, *aliases):
@@ -111,10 +118,15 @@ def read_field(
             break
     else:
         value = default
-    ok = isinstance(value, bool) if kind is bool else (
-        isinstance(value, int | float) and not isinstance(value, bool)
-        and (kind is float or isinstance(value, int))
-    )  # fmt: skip
+    ok = (
+        isinstance(value, bool)
+        if kind is bool
+        else (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and (kind is float or isinstance(value, int))
+        )
+    )
     if not ok or (minimum is not None and value < minimum):
         want = {bool: "true or false", int: "an integer", float: "a number"}[kind]
         bound = "" if minimum is None or kind is bool else f" >= {minimum}"
@@ -134,26 +146,47 @@ def qwen_sparse_layers(
 
 
 # Qwen3MoeConfig's defaults (transformers 5.24); other Qwen MoE configs pass their own.
-QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                      "norm_topk_prob": False, "decoder_sparse_step": 1}  # fmt: skip
+QWEN3_MOE_DEFAULTS = {
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+}
 
 
 def read_qwen_moe(
-    cfg: dict, layers: int, prefix: str, path: str | None, *, shared: bool,
+    cfg: dict,
+    layers: int,
+    prefix: str,
+    path: str | None,
+    *,
+    shared: bool,
     defaults: dict[str, Any] | None = None,
-) -> MoESettings:  # fmt: skip
+) -> MoESettings:
     """The MoE keys of the Qwen families (qwen3_moe; with ``shared`` the gated shared expert
     of qwen2_moe / qwen3_next / qwen3_5_moe, ``shared_expert_intermediate_size``), absent keys
     taking ``defaults`` (default :data:`QWEN3_MOE_DEFAULTS`)."""
     d = {**QWEN3_MOE_DEFAULTS, **(defaults or {})}
-    experts = read_field(cfg, "num_experts", d["num_experts"], int, prefix, path, minimum=0,
-                         aliases=("num_local_experts",))  # fmt: skip
-    top_k = read_field(cfg, "num_experts_per_tok", d["num_experts_per_tok"], int, prefix, path,
-                       minimum=1)  # fmt: skip
-    width = read_field(cfg, "moe_intermediate_size", d["moe_intermediate_size"], int, prefix,
-                       path, minimum=1)  # fmt: skip
-    step = read_field(cfg, "decoder_sparse_step", d["decoder_sparse_step"], int, prefix, path,
-                      minimum=1)  # fmt: skip
+    experts = read_field(
+        cfg,
+        "num_experts",
+        d["num_experts"],
+        int,
+        prefix,
+        path,
+        minimum=0,
+        aliases=("num_local_experts",),
+    )
+    top_k = read_field(
+        cfg, "num_experts_per_tok", d["num_experts_per_tok"], int, prefix, path, minimum=1
+    )
+    width = read_field(
+        cfg, "moe_intermediate_size", d["moe_intermediate_size"], int, prefix, path, minimum=1
+    )
+    step = read_field(
+        cfg, "decoder_sparse_step", d["decoder_sparse_step"], int, prefix, path, minimum=1
+    )
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) for i in only
@@ -163,21 +196,32 @@ def read_qwen_moe(
         raise cfgs.malformed(
             prefix + "num_experts_per_tok", f"{top_k} > num_experts {experts}", path
         )
-    shared_width = read_field(cfg, "shared_expert_intermediate_size",
-                              d.get("shared_expert_intermediate_size", 0), int, prefix, path,
-                              minimum=0)  # fmt: skip
+    shared_width = read_field(
+        cfg,
+        "shared_expert_intermediate_size",
+        d.get("shared_expert_intermediate_size", 0),
+        int,
+        prefix,
+        path,
+        minimum=0,
+    )
     if shared_width and not shared:
         raise cfgs.refuse(
-            prefix + "shared_expert_intermediate_size", shared_width,
-            "this family has no shared expert (the checkpoint needs other model code)", path,
-        )  # fmt: skip
+            prefix + "shared_expert_intermediate_size",
+            shared_width,
+            "this family has no shared expert (the checkpoint needs other model code)",
+            path,
+        )
     return MoESettings(
-        num_experts=experts, top_k=top_k, intermediate_size=width, scoring="softmax",
+        num_experts=experts,
+        top_k=top_k,
+        intermediate_size=width,
+        scoring="softmax",
         norm_topk_prob=read_field(cfg, "norm_topk_prob", d["norm_topk_prob"], bool, prefix, path),
         sparse_layers=qwen_sparse_layers(layers, experts, only, step),
         shared="gated" if shared and shared_width else None,
         shared_intermediate_size=shared_width,
-    )  # fmt: skip
+    )
 
 
 # --- the block
@@ -295,9 +339,16 @@ class QuantizedSwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool) -> mx.array:
         return mx.gather_qmm(
-            x, self.weight, self.scales, self.biases, rhs_indices=experts, transpose=True,
-            group_size=self.group_size, bits=self.bits, sorted_indices=sorted_indices,
-        )  # fmt: skip
+            x,
+            self.weight,
+            self.scales,
+            self.biases,
+            rhs_indices=experts,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            sorted_indices=sorted_indices,
+        )
 
     def dequantized(self) -> mx.array:
         return mx.dequantize(self.weight, self.scales, self.biases, self.group_size, self.bits)
@@ -483,8 +534,10 @@ def stack_experts(
             if value.ndim != 3 or value.shape[0] != num_experts:
                 raise CorruptModelFile(
                     f"expected [{num_experts}, out, in] stacked experts, found "
-                    f"{tuple(value.shape)}", path=src, tensor=name,
-                )  # fmt: skip
+                    f"{tuple(value.shape)}",
+                    path=src,
+                    tensor=name,
+                )
             if kind == "down_proj":
                 _put(out, where, f"{mlp}.switch_mlp.down_proj.weight", value, src)
                 continue
@@ -501,14 +554,16 @@ def stack_experts(
             tensor = f"{mlp}.experts.{missing[0]}.{proj}.{part}"
             raise MissingTensor(
                 f"expert {missing[0]} of {num_experts} is missing",
-                path=sources.get(names[min(names)]), tensor=tensor,
-            )  # fmt: skip
+                path=sources.get(names[min(names)]),
+                tensor=tensor,
+            )
         extra = sorted(i for i in names if i >= num_experts)
         if extra:
             raise CorruptModelFile(
                 f"expert {extra[0]} beyond num_experts {num_experts}",
-                path=sources.get(names[extra[0]]), tensor=names[extra[0]],
-            )  # fmt: skip
+                path=sources.get(names[extra[0]]),
+                tensor=names[extra[0]],
+            )
         stacked = mx.stack([weights[names[i]] for i in range(num_experts)])
         _put(out, where, f"{mlp}.switch_mlp.{proj}.{part}", stacked, sources.get(names[0]))
     return out, where
@@ -537,8 +592,9 @@ class MoEModel(LlamaCausalLM):
         if s.scoring == "sigmoid":
             # transformers keeps these float32 (_keep_in_fp32_modules_strict); the loader
             # casts every float to the model's dtype, so load_weights puts them back.
-            own = {f"model.layers.{i}.mlp.gate" for i, sparse in enumerate(s.sparse_layers)
-                   if sparse}  # fmt: skip
+            own = {
+                f"model.layers.{i}.mlp.gate" for i, sparse in enumerate(s.sparse_layers) if sparse
+            }
             keep = {
                 name: value.astype(mx.float32)
                 for name, value in weights.items()

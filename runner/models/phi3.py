@@ -28,10 +28,14 @@ from runner.models.rope import RoPE
 FAMILIES = ("phi3",)
 # transformers 5's Phi3Config defaults.
 _DEFAULTS = {
-    "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
-    "original_max_position_embeddings": 4096, "tie_word_embeddings": False,
-    "sliding_window": None, "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
-}  # fmt: skip
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "original_max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "sliding_window": None,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 1.0,
+}
 
 
 def model_args(config: dict, path: str | None = None) -> ModelArgs:
@@ -75,12 +79,19 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     extra["partial_rotary_factor"] = rope.partial_rotary_factor
     tie = cfg.get("tie_word_embeddings")
     return ModelArgs(
-        model_type="phi3", **required, num_key_value_heads=int(kv), head_dim=head_dim,
-        rms_norm_eps=float(get("rms_norm_eps")), rope_theta=rope.theta, rope_scaling=rope.scaling,
+        model_type="phi3",
+        **required,
+        num_key_value_heads=int(kv),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("rms_norm_eps")),
+        rope_theta=rope.theta,
+        rope_scaling=rope.scaling,
         tie_word_embeddings=bool(_DEFAULTS["tie_word_embeddings"] if tie is None else tie),
-        max_position_embeddings=max_pos, sliding_window=window,
-        layer_types=["sliding_attention"] * layers if window is not None else None, extra=extra,
-    )  # fmt: skip
+        max_position_embeddings=max_pos,
+        sliding_window=window,
+        layer_types=["sliding_attention"] * layers if window is not None else None,
+        extra=extra,
+    )
 
 
 class Phi3Attention(Attention):
@@ -98,9 +109,12 @@ class Phi3Attention(Attention):
         """Partial rotary: the first ``head_dim * partial_rotary_factor`` dims rotate."""
         partial = float(args.extra.get("partial_rotary_factor", 1.0))
         return RoPE(
-            int(self.head_dim * partial), base=args.rope_theta, scaling=args.rope_scaling,
-            max_position_embeddings=args.max_position_embeddings, head_dim=self.head_dim,
-        )  # fmt: skip
+            int(self.head_dim * partial),
+            base=args.rope_theta,
+            scaling=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+            head_dim=self.head_dim,
+        )
 
     def fuse(self) -> bool:
         """The packed ``qkv_proj`` is the fused product already: use it as one."""

@@ -78,28 +78,51 @@ MOE_FAMILIES = ("qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 # transformers 5.24's config-class defaults for keys a config.json may omit.
 _COMMON = {
-    "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "full_attention_interval": 4,
     "partial_rotary_factor": 0.25,
-}  # fmt: skip
+}
 _DEFAULTS = {
     "qwen3_next": {**_COMMON, "num_key_value_heads": 2},
     "qwen3_5_text": {**_COMMON, "num_key_value_heads": 4},
     "qwen3_5_moe_text": {**_COMMON, "num_key_value_heads": 2},
-}  # fmt: skip
+}
 # Their MoE keys' defaults (read_qwen_moe's names).
 _MOE_DEFAULTS = {
-    "qwen3_next": {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
-                   "norm_topk_prob": True, "decoder_sparse_step": 1,
-                   "shared_expert_intermediate_size": 512},
-    "qwen3_5_moe_text": {"num_experts": 256, "num_experts_per_tok": 8,
-                         "moe_intermediate_size": 512, "norm_topk_prob": True,
-                         "decoder_sparse_step": 1, "shared_expert_intermediate_size": 512},
-}  # fmt: skip
-_LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                "linear_value_head_dim", "linear_conv_kernel_dim")  # fmt: skip
+    "qwen3_next": {
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 512,
+    },
+    "qwen3_5_moe_text": {
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 512,
+    },
+}
+_LINEAR_KEYS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
 
 
 @dataclass(frozen=True)
@@ -130,14 +153,16 @@ def _layer_types(cfg: dict, layers: int, get, prefix: str, path: str | None) -> 
         interval = get("full_attention_interval")
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise cfgs.malformed(prefix + "full_attention_interval", f"found {interval!r}", path)
-        return ["linear_attention" if (i + 1) % interval else "full_attention"
-                for i in range(layers)]  # fmt: skip
+        return [
+            "linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)
+        ]
     if not isinstance(types, list) or len(types) != layers:
         raise cfgs.malformed(prefix + "layer_types", f"expected a list of {layers} entries", path)
     for t in types:
         if t not in LAYER_TYPES:
-            raise cfgs.refuse(prefix + "layer_types", t, f"implemented: {', '.join(LAYER_TYPES)}",
-                              path)  # fmt: skip
+            raise cfgs.refuse(
+                prefix + "layer_types", t, f"implemented: {', '.join(LAYER_TYPES)}", path
+            )
     return list(types)
 
 
@@ -157,11 +182,16 @@ def read_moe(
     if family == "qwen3_5_moe_text":
         for key, always in (("norm_topk_prob", True), ("decoder_sparse_step", 1)):
             if cfg.get(key) not in (None, always):
-                raise cfgs.refuse(prefix + key, cfg[key], f"qwen3_5_moe always uses {always!r}",
-                                  path)  # fmt: skip
+                raise cfgs.refuse(
+                    prefix + key, cfg[key], f"qwen3_5_moe always uses {always!r}", path
+                )
         if cfg.get("mlp_only_layers"):
-            raise cfgs.refuse(prefix + "mlp_only_layers", cfg["mlp_only_layers"],
-                              "every qwen3_5_moe layer is sparse", path)  # fmt: skip
+            raise cfgs.refuse(
+                prefix + "mlp_only_layers",
+                cfg["mlp_only_layers"],
+                "every qwen3_5_moe layer is sparse",
+                path,
+            )
     s = read_qwen_moe(cfg, layers, prefix, path, shared=True, defaults=_MOE_DEFAULTS[family])
     if family == "qwen3_5_moe_text" and not s.num_experts:
         raise cfgs.malformed(prefix + "num_experts", "qwen3_5_moe needs experts (found 0)", path)
@@ -176,9 +206,12 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     if kind not in FAMILIES:
         raise UnsupportedArchitecture(f"unsupported model_type {kind!r}", path=path)
     defaults = _DEFAULTS[
-        "qwen3_next" if kind == "qwen3_next" else
-        "qwen3_5_moe_text" if kind in MOE_FAMILIES else "qwen3_5_text"
-    ]  # fmt: skip
+        "qwen3_next"
+        if kind == "qwen3_next"
+        else "qwen3_5_moe_text"
+        if kind in MOE_FAMILIES
+        else "qwen3_5_text"
+    ]
 
     def get(key):
         value = cfg.get(key)
@@ -187,18 +220,24 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     shape = dict(cfg)
     if kind in MOE_FAMILIES and shape.get("intermediate_size") is None:
         # Every layer is sparse, so no dense MLP reads it; ModelArgs wants a width all the same.
-        shape["intermediate_size"] = get("moe_intermediate_size") or _MOE_DEFAULTS[
-            "qwen3_5_moe_text"]["moe_intermediate_size"]  # fmt: skip
+        shape["intermediate_size"] = (
+            get("moe_intermediate_size")
+            or _MOE_DEFAULTS["qwen3_5_moe_text"]["moe_intermediate_size"]
+        )
     required = cfgs.positive_ints(shape, cfgs.SHAPE_KEYS, path, prefix)
     layers, heads = required["num_hidden_layers"], required["num_attention_heads"]
     linear = cfgs.positive_ints({k: get(k) for k in _LINEAR_KEYS}, _LINEAR_KEYS, path, prefix)
     if linear["linear_num_value_heads"] % linear["linear_num_key_heads"]:
-        raise cfgs.malformed(prefix + "linear_num_value_heads", "not a multiple of "
-                             "linear_num_key_heads", path)  # fmt: skip
+        raise cfgs.malformed(
+            prefix + "linear_num_value_heads", "not a multiple of linear_num_key_heads", path
+        )
     if linear["linear_conv_kernel_dim"] < 2:
-        raise cfgs.refuse(prefix + "linear_conv_kernel_dim", linear["linear_conv_kernel_dim"],
-                          "a conv of width 1 keeps no state (and its weight layout is "
-                          "ambiguous)", path)  # fmt: skip
+        raise cfgs.refuse(
+            prefix + "linear_conv_kernel_dim",
+            linear["linear_conv_kernel_dim"],
+            "a conv of width 1 keeps no state (and its weight layout is ambiguous)",
+            path,
+        )
     act = get("hidden_act")
     if act not in cfgs.ACTIVATIONS:
         raise cfgs.refuse(prefix + "hidden_act", act, "only silu is implemented", path)
@@ -209,50 +248,75 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     types = _layer_types(cfg, layers, get, prefix, path)
     kv = int(get("num_key_value_heads"))
     if kv < 1 or heads % kv:
-        raise cfgs.malformed(prefix + "num_key_value_heads", f"{kv} does not divide the heads",
-                             path)  # fmt: skip
+        raise cfgs.malformed(
+            prefix + "num_key_value_heads", f"{kv} does not divide the heads", path
+        )
     head_dim, max_pos = int(get("head_dim")), int(get("max_position_embeddings"))
     rope_cfg = dict(cfg)
     rope_cfg["partial_rotary_factor"] = get("partial_rotary_factor")
-    rope = cfgs.read_rope(rope_cfg, head_dim=head_dim, max_position_embeddings=max_pos,
-                          layer_types=types, path=path, prefix=prefix)  # fmt: skip
+    rope = cfgs.read_rope(
+        rope_cfg,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        layer_types=types,
+        path=path,
+        prefix=prefix,
+    )
     if isinstance(rope, dict):  # nested per layer type: only the attention layers rotate
         if "full_attention" not in rope:
-            raise cfgs.refuse(prefix + "rope_parameters", sorted(rope), "no full_attention entry",
-                              path)  # fmt: skip
+            raise cfgs.refuse(
+                prefix + "rope_parameters", sorted(rope), "no full_attention entry", path
+            )
         rope = rope["full_attention"]
     mtp = cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers")) or 0
     hybrid = HybridSettings(
-        layer_types=tuple(types), partial_rotary_factor=rope.partial_rotary_factor,
-        key_heads=linear["linear_num_key_heads"], value_heads=linear["linear_num_value_heads"],
-        key_dim=linear["linear_key_head_dim"], value_dim=linear["linear_value_head_dim"],
-        conv_kernel=linear["linear_conv_kernel_dim"], fused_projections=kind == "qwen3_next",
+        layer_types=tuple(types),
+        partial_rotary_factor=rope.partial_rotary_factor,
+        key_heads=linear["linear_num_key_heads"],
+        value_heads=linear["linear_num_value_heads"],
+        key_dim=linear["linear_key_head_dim"],
+        value_dim=linear["linear_value_head_dim"],
+        conv_kernel=linear["linear_conv_kernel_dim"],
+        fused_projections=kind == "qwen3_next",
         mtp_layers=int(mtp),
-    )  # fmt: skip
+    )
     extra = {k: v for k, v in cfg.items() if k not in ModelArgs.__dataclass_fields__}
     extra["hybrid"] = hybrid
     if moe is not None:
         extra["moe"] = moe
     tie = cfg.get("tie_word_embeddings")
     return ModelArgs(
-        model_type=kind, **required, num_key_value_heads=kv, head_dim=head_dim,
-        rms_norm_eps=float(get("rms_norm_eps")), rope_theta=rope.theta,
-        rope_scaling=rope.scaling, tie_word_embeddings=bool(get("tie_word_embeddings")
-                                                            if tie is None else tie),
-        attention_bias=bool(get("attention_bias")), qk_norm=True,
-        max_position_embeddings=max_pos, extra=extra,
-    )  # fmt: skip
+        model_type=kind,
+        **required,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("rms_norm_eps")),
+        rope_theta=rope.theta,
+        rope_scaling=rope.scaling,
+        tie_word_embeddings=bool(get("tie_word_embeddings") if tie is None else tie),
+        attention_bias=bool(get("attention_bias")),
+        qk_norm=True,
+        max_position_embeddings=max_pos,
+        extra=extra,
+    )
 
 
 # --- weights
 
 # Zero-centred gains (applied as 1 + w); the gated norm (linear_attn.norm) is plain.
-_SHIFTED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
-            ".k_norm.weight")  # fmt: skip
+_SHIFTED = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
 _FINAL_NORM = "model.norm.weight"
 _CONV = ".linear_attn.conv1d.weight"
-_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-            ("language_model.lm_head.", "lm_head."))  # fmt: skip
+_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 _VISION = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
 
 
@@ -277,14 +341,20 @@ def prepare_weights(
         if name in sources:
             where[new] = sources[name]
     if vision:
-        log.info("skipping %d vision-tower tensors (%s, ...): the runner serves text only",
-                 len(vision), vision[0])  # fmt: skip
+        log.info(
+            "skipping %d vision-tower tensors (%s, ...): the runner serves text only",
+            len(vision),
+            vision[0],
+        )
     convs = {k: v for k, v in out.items() if k.startswith("model.") and k.endswith(_CONV)}
     hf = {k for k, v in convs.items() if v.ndim == 3 and v.shape[1] == 1 and v.shape[2] != 1}
     if hf and len(hf) != len(convs):
         name = sorted(set(convs) - hf)[0]
-        raise CorruptModelFile("conv weights in both the Hugging Face [C, 1, K] and the MLX "
-                               "[C, K, 1] layout", path=where.get(name), tensor=name)  # fmt: skip
+        raise CorruptModelFile(
+            "conv weights in both the Hugging Face [C, 1, K] and the MLX [C, K, 1] layout",
+            path=where.get(name),
+            tensor=name,
+        )
     if hf or not convs:  # Hugging Face layout: zero-centred gains as stored
         for name in convs:
             out[name] = mx.swapaxes(out[name], 1, 2)
@@ -306,10 +376,14 @@ def _regroup_fused(weights: dict[str, mx.array], hybrid: HybridSettings) -> None
     (weight, scales, biases) permute alike."""
     groups, per = hybrid.key_heads, hybrid.value_heads // hybrid.key_heads
     widths = {
-        "in_proj_qkvz": [hybrid.key_dim, hybrid.key_dim, per * hybrid.value_dim,
-                         per * hybrid.value_dim],
+        "in_proj_qkvz": [
+            hybrid.key_dim,
+            hybrid.key_dim,
+            per * hybrid.value_dim,
+            per * hybrid.value_dim,
+        ],
         "in_proj_ba": [per, per],
-    }  # fmt: skip
+    }
     for name in list(weights):
         module, _, leaf = name.rpartition(".")
         part = module.rpartition(".")[2]
@@ -344,9 +418,12 @@ class GatedAttention(Attention):
         """Partial rotary: the first ``head_dim * partial_rotary_factor`` dims rotate."""
         partial = settings(args).partial_rotary_factor
         return RoPE(
-            int(self.head_dim * partial), base=args.rope_theta, scaling=args.rope_scaling,
-            max_position_embeddings=args.max_position_embeddings, head_dim=self.head_dim,
-        )  # fmt: skip
+            int(self.head_dim * partial),
+            base=args.rope_theta,
+            scaling=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+            head_dim=self.head_dim,
+        )
 
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if "_qkv_t" not in self:
@@ -510,8 +587,9 @@ class GatedDeltaNet(nn.Module):
     def output(self, y: mx.array, z: mx.array) -> mx.array:
         """``out_proj(rmsnorm(y) * silu(z))``, the norm per value head, in float32."""
         batch, length = y.shape[:2]
-        normed = mx.fast.rms_norm(y.astype(mx.float32), self.norm.weight.astype(mx.float32),
-                                  self.norm.eps)  # fmt: skip
+        normed = mx.fast.rms_norm(
+            y.astype(mx.float32), self.norm.weight.astype(mx.float32), self.norm.eps
+        )
         gated = (normed * silu(z.astype(mx.float32))).astype(y.dtype)
         return self.out_proj(gated.reshape(batch, length, -1))
 
@@ -541,8 +619,9 @@ class LinearBlock(DecoderLayer):
         y = self.recur(qkv, b, a, cache, compiled)
         return after(x, y, z)
 
-    def recur(self, qkv: mx.array, b: mx.array, a: mx.array, cache: RecurrentCache,
-              compiled: bool = False) -> mx.array:  # fmt: skip
+    def recur(
+        self, qkv: mx.array, b: mx.array, a: mx.array, cache: RecurrentCache, compiled: bool = False
+    ) -> mx.array:
         """The mixer over the cache: the states the cache wants come back with the forward."""
         length = qkv.shape[1]
         wanted = tuple(cache.wanted(length))

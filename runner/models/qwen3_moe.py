@@ -39,9 +39,11 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
         raise UnsupportedArchitecture(f"unsupported model_type {kind!r}", path=path)
     if cfg.get("use_sliding_window"):
         raise cfgs.refuse(
-            prefix + "use_sliding_window", True, "qwen3_moe slides every layer then; not "
-            "implemented for this family", path,
-        )  # fmt: skip
+            prefix + "use_sliding_window",
+            True,
+            "qwen3_moe slides every layer then; not implemented for this family",
+            path,
+        )
     dense = {k: v for k, v in cfg.items() if k != "text_config"}
     dense["model_type"] = "qwen3"
     for key, value in _DEFAULTS.items():

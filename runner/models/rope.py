@@ -56,9 +56,12 @@ class RoPE(nn.Module):
         if max_position_embeddings is None:
             max_position_embeddings = (scaling or {}).get("max_position_embeddings", 0)
         spec = rope_spec(
-            scaling, head_dim=dims, max_position_embeddings=max_position_embeddings, theta=base,
+            scaling,
+            head_dim=dims,
+            max_position_embeddings=max_position_embeddings,
+            theta=base,
             where="rope_scaling",
-        )  # fmt: skip
+        )
         self.dims = dims
         self.traditional = traditional
         self.base = spec.theta
@@ -169,10 +172,14 @@ class RoPE(nn.Module):
         partial = self.attention_factor != 1.0 and self.dims != x.shape[-1]
         rotated = x[..., : self.dims] if partial else x
         out = mx.fast.rope(
-            rotated, self.dims, traditional=self.traditional,
-            base=None if freqs is not None else self.base, scale=self.scale,
-            offset=tables[0], freqs=freqs,
-        )  # fmt: skip
+            rotated,
+            self.dims,
+            traditional=self.traditional,
+            base=None if freqs is not None else self.base,
+            scale=self.scale,
+            offset=tables[0],
+            freqs=freqs,
+        )
         if self.attention_factor == 1.0:
             return out
         out = out * self.attention_factor

@@ -209,9 +209,13 @@ def gather_panel_matmul(
     :func:`panel_matmul`, by the rows T. Without the compiled primitive, or for another dtype,
     it falls back to :func:`mlx_gather_panel_matmul`."""
     if (
-        x.ndim != 3 or panels.ndim != 4 or indices.ndim != 2 or x.shape[0] != indices.shape[0]
-        or x.shape[1] not in (1, indices.shape[1]) or x.shape[2] != panels.shape[2]
-    ):  # fmt: skip
+        x.ndim != 3
+        or panels.ndim != 4
+        or indices.ndim != 2
+        or x.shape[0] != indices.shape[0]
+        or x.shape[1] not in (1, indices.shape[1])
+        or x.shape[2] != panels.shape[2]
+    ):
         raise ValueError(
             f"gather_panel_matmul: x {tuple(x.shape)}, panels {tuple(panels.shape)} and "
             f"indices {tuple(indices.shape)} do not match"

@@ -35,9 +35,13 @@ async def test_small_budget_holds_and_memory_stays_flat(spawn, own_runner, confo
         prompt = " ".join(rng.choice(words) for _ in range(rng.randrange(longest // 3, longest)))
         rid = unique_id("budget")
         await runner.send(
-            {"type": "completion", "id": rid, "prompt": f"{i} {prompt}",
-             "options": {"temperature": 0, "num_predict": 6}}
-        )  # fmt: skip
+            {
+                "type": "completion",
+                "id": rid,
+                "prompt": f"{i} {prompt}",
+                "options": {"temperature": 0, "num_predict": 6},
+            }
+        )
         _, done = await runner.completion(rid)
         assert done["done_reason"] in ("stop", "length")
         sid = unique_id("status")

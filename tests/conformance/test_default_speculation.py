@@ -48,10 +48,14 @@ async def test_greedy_with_speculation_equals_without(default_model, head_args):
             for speculative in (True, False):
                 rid = unique_id("spec" if speculative else "plain")
                 await runner.send(
-                    {"type": "completion", "id": rid, "prompt": CHAT.format(question),
-                     "speculative": speculative,
-                     "options": {"temperature": 0, "num_predict": 16}}
-                )  # fmt: skip
+                    {
+                        "type": "completion",
+                        "id": rid,
+                        "prompt": CHAT.format(question),
+                        "speculative": speculative,
+                        "options": {"temperature": 0, "num_predict": 16},
+                    }
+                )
                 tokens, done = await runner.completion(rid, timeout=300)
                 outputs[speculative] = (ids_of(tokens), done["done_reason"], done["eval_tokens"])
                 if speculative:

@@ -104,9 +104,16 @@ def _garbage(rng: random.Random) -> bytes:
 
 
 KINDS = [
-    _truncated, _wrong_type, _huge_number, _invalid_utf8, _empty, _deep, _unknown_type,
-    _non_object, _garbage,
-]  # fmt: skip
+    _truncated,
+    _wrong_type,
+    _huge_number,
+    _invalid_utf8,
+    _empty,
+    _deep,
+    _unknown_type,
+    _non_object,
+    _garbage,
+]
 
 
 def malformed_lines(n: int, seed: int) -> list[bytes]:
@@ -176,8 +183,9 @@ async def test_fuzz_with_four_streams_active_leaves_their_output_unchanged(spawn
     during = await runner.reply("st2", timeout=60)
     assert len(errors) == 300
     assert [(f["type"], f["code"]) for f in refusals] == [
-        ("error", "bad_request"), ("error", "context_overflow")
-    ]  # fmt: skip
+        ("error", "bad_request"),
+        ("error", "context_overflow"),
+    ]
     outputs = []
     for i in range(4):
         tokens, done = await runner.completion(f"busy{i}", timeout=300)

@@ -33,9 +33,13 @@ def expected_text(runner_cmd) -> str:
         runner = await RunnerProcess.start(runner_cmd())
         try:
             await runner.send(
-                {"type": "completion", "id": "x", "prompt": CHATML,
-                 "options": {"temperature": 0, "num_predict": NUM_PREDICT}}
-            )  # fmt: skip
+                {
+                    "type": "completion",
+                    "id": "x",
+                    "prompt": CHATML,
+                    "options": {"temperature": 0, "num_predict": NUM_PREDICT},
+                }
+            )
             tokens, _ = await runner.completion("x")
             return text_of(tokens)
         finally:
@@ -48,10 +52,22 @@ def test_demo_streams_the_answer_then_statistics(model_flags, expected_text):
     model = ["--model", model_flags[1]] if model_flags[0] == "--model" else []
     extra = [f"--runner-arg={flag}" for flag in model_flags if flag == "--noop-model"]
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "demo.py"), *model, *extra,
-         "--prompt", QUESTION, "--temperature", "0", "--num-predict", str(NUM_PREDICT)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "demo.py"),
+            *model,
+            *extra,
+            "--prompt",
+            QUESTION,
+            "--temperature",
+            "0",
+            "--num-predict",
+            str(NUM_PREDICT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(expected_text + "\n")
     stats = out.stdout[len(expected_text) + 1 :]
@@ -62,11 +78,25 @@ def test_demo_streams_the_answer_then_statistics(model_flags, expected_text):
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not on the PATH")
 def test_node_host_streams_the_answer_then_statistics(model_flags, expected_text):
     out = subprocess.run(
-        ["node", os.path.join(ROOT, "examples", "host.mjs"), "--prompt", QUESTION,
-         "--temperature", "0", "--num-predict", str(NUM_PREDICT), "--python", sys.executable,
-         "--", *model_flags],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        [
+            "node",
+            os.path.join(ROOT, "examples", "host.mjs"),
+            "--prompt",
+            QUESTION,
+            "--temperature",
+            "0",
+            "--num-predict",
+            str(NUM_PREDICT),
+            "--python",
+            sys.executable,
+            "--",
+            *model_flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(expected_text + "\n---")
     assert "tokens/s" in out.stdout and "from the prefix cache" in out.stdout

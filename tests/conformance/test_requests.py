@@ -76,9 +76,13 @@ async def test_tokens_input_generates_what_the_prompt_does(shared_runner):
     by_text, by_ids = unique_id(), unique_id()
     await shared_runner.send(completion(by_text, options={"num_predict": 12}))
     await shared_runner.send(
-        {"type": "completion", "id": by_ids, "tokens": prompt_ids,
-         "options": {"temperature": 0, "num_predict": 12}}
-    )  # fmt: skip
+        {
+            "type": "completion",
+            "id": by_ids,
+            "tokens": prompt_ids,
+            "options": {"temperature": 0, "num_predict": 12},
+        }
+    )
     text_frames, _ = await shared_runner.completion(by_text)
     id_frames, _ = await shared_runner.completion(by_ids)
     assert ids_of(id_frames) == ids_of(text_frames)
@@ -256,11 +260,25 @@ async def test_bad_field_in_other_requests_is_refused(shared_runner):
 async def test_unknown_options_and_fields_are_ignored(shared_runner):
     rid = unique_id()
     ollama_options = {
-        "num_ctx": 4096, "num_batch": 512, "num_gpu": -1, "mirostat": 0, "typical_p": 1.0,
-        "num_keep": 4, "use_mmap": True, "seed": -1, "stop": ["\n\n\n"], "num_predict": 4,
-        "temperature": 0, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1,
-        "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-    }  # fmt: skip
+        "num_ctx": 4096,
+        "num_batch": 512,
+        "num_gpu": -1,
+        "mirostat": 0,
+        "typical_p": 1.0,
+        "num_keep": 4,
+        "use_mmap": True,
+        "seed": -1,
+        "stop": ["\n\n\n"],
+        "num_predict": 4,
+        "temperature": 0,
+        "top_k": 40,
+        "top_p": 0.9,
+        "min_p": 0.0,
+        "repeat_penalty": 1.1,
+        "repeat_last_n": 64,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
     request = completion(rid, options=ollama_options, stream=True, format=None, images=[])
     await shared_runner.send(request)
     tokens, done = await shared_runner.completion(rid)

@@ -42,9 +42,14 @@ async def start(default_model: str, extra: list[str], head: list[str]) -> Runner
 async def complete(runner: RunnerProcess, question: str, options: dict, speculative: bool):
     rid = unique_id("spec" if speculative else "plain")
     await runner.send(
-        {"type": "completion", "id": rid, "prompt": CHAT.format(question),
-         "speculative": speculative, "options": options}
-    )  # fmt: skip
+        {
+            "type": "completion",
+            "id": rid,
+            "prompt": CHAT.format(question),
+            "speculative": speculative,
+            "options": options,
+        }
+    )
     tokens, done = await runner.completion(rid, timeout=300)
     return ids_of(tokens), done
 
@@ -77,10 +82,14 @@ async def plain_outputs(default_model, head_args):
 
 @pytest.mark.parametrize(
     "extra",
-    [["--draft-depth", "1"], ["--draft-depth", "2"], ["--draft-depth", "4"],
-     ["--draft-depth", "3", "--head-fault-after", "6"]],
+    [
+        ["--draft-depth", "1"],
+        ["--draft-depth", "2"],
+        ["--draft-depth", "4"],
+        ["--draft-depth", "3", "--head-fault-after", "6"],
+    ],
     ids=["depth-1", "depth-2", "depth-4", "head-fault"],
-)  # fmt: skip
+)
 async def test_seeded_output_does_not_depend_on_speculation(
     default_model,
     head_args,
