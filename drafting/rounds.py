@@ -72,7 +72,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cache.ledger import Ledger
+from cache.ledger import EmitterStep, Ledger, Verdict
 from drafting.accept import accepted_count
 from drafting.stats import SpecStats
 
@@ -178,15 +178,6 @@ class RoundOps(Protocol):
 # -- what the driver talks to besides the seam -----------------------------------------------
 
 
-class Step(Protocol):
-    """``runner.emit.Step``: what the emitter says about one pushed token."""
-
-    finished: bool
-    reason: str | None
-    keep: bool
-    forced: list[int]
-
-
 class DepthSource(Protocol):
     """``drafting.depth.DepthSession`` or ``FixedDepth``."""
 
@@ -264,13 +255,14 @@ class RoundDriver:
 
     ``emit(token) -> Step`` is the request's emitter, ``cancelled()`` the cancel mark, ``depth``
     the request's depth session, ``budget`` how many tokens the request may emit in all (None =
-    unlimited; forced close markers do not count), ``ledger`` the request's token ledger.
+    unlimited; forced close markers do not count; it becomes the ledger's), ``ledger`` the
+    request's token ledger, which judges every emitted token (``Ledger.judge``).
     """
 
     def __init__(
         self,
         ops: RoundOps,
-        emit: Callable[[int], Step],
+        emit: Callable[[int], EmitterStep],
         cancelled: Callable[[], bool],
         *,
         depth: DepthSource,
@@ -282,9 +274,14 @@ class RoundDriver:
         self._emit = emit
         self._cancelled = cancelled
         self._depth = depth
-        self.budget = budget
         self.stats = stats if stats is not None else SpecStats()
         self.ledger = ledger if ledger is not None else Ledger()
+        if budget is not None:
+            self.ledger.budget = budget
+
+    @property
+    def budget(self) -> int | None:
+        return self.ledger.budget
 
     @property
     def emitted(self) -> list[int]:
@@ -303,7 +300,7 @@ class RoundDriver:
 
     def remaining(self) -> int | None:
         """Tokens the budget still allows, the next round's x included (None = unlimited)."""
-        return None if self.budget is None else self.budget - self.used
+        return self.ledger.remaining()
 
     def plan(self) -> RoundPlan:
         """Depth of the next round, or why it is parked."""
@@ -321,15 +318,6 @@ class RoundDriver:
         return RoundPlan(k, "speculate")
 
     # -- entry points -------------------------------------------------------------------------
-
-    def run(self, first: int) -> RoundEnd:
-        """Rounds from ``first`` until generation ends (a zero budget emits nothing)."""
-        if self.remaining() == 0:
-            return RoundEnd("length")
-        end = _continue(first)
-        while not end.finished:
-            end = self.round(end.next)
-        return end
 
     def round(self, x: int) -> RoundEnd:
         """One round at the current token ``x``. Raises RoundError when the request must end."""
@@ -351,16 +339,15 @@ class RoundDriver:
     # -- the round at x -----------------------------------------------------------------------
 
     def _round(self, x: int, plan: RoundPlan) -> RoundEnd:
-        step = self._push(x)  # EMIT_X: an exception propagates with nothing mutated
-        if step.finished and not step.keep:  # EOS_AT_X
-            return RoundEnd(step.reason or "stop")
+        verdict = self._push(x)  # EMIT_X: an exception propagates with nothing mutated
+        if not verdict.fed:  # EOS_AT_X
+            return RoundEnd(verdict.end)
         if self._cancelled():  # CANCEL_AT_X
             return RoundEnd("cancel")
-        last = self._last_token(step)
-        if step.forced:  # CLOSE_AT_X
-            return self._replay([x, *step.forced], end=last)
-        if last is not None:  # FINAL_SLOT
-            return self._replay([x], end=last)
+        if verdict.forced:  # CLOSE_AT_X
+            return self._replay([x, *verdict.forced], end=verdict.end)
+        if verdict.end is not None:  # FINAL_SLOT
+            return self._replay([x], end=verdict.end)
         if plan.depth == 0:
             self.stats.record_parked()
             end = self._target_only(x)
@@ -368,21 +355,14 @@ class RoundDriver:
             return end
         return self._speculate(x, plan.depth)
 
-    def _push(self, token: int) -> Step:
+    def _push(self, token: int) -> Verdict:
+        """Emit ``token`` and judge it (``Ledger.judge``); an emitter failure is a RoundError
+        with nothing recorded."""
         try:
             step = self._emit(token)
         except Exception as error:
             raise RoundError(error, reusable=True) from error
-        self.ledger.emit(token, step.forced, counted=step.keep)
-        return step
-
-    def _last_token(self, step: Step) -> str | None:
-        """The end reason when the token just emitted (and kept) is the last one, else None."""
-        if step.finished:
-            return step.reason or "stop"
-        if self.budget is not None and self.used >= self.budget:
-            return "length"
-        return None
+        return self.ledger.judge(token, step)
 
     # -- target-only and replay -----------------------------------------------------------
 
@@ -485,17 +465,16 @@ class RoundDriver:
         """Emit the accepted drafts in order until one of them ends the run."""
         for i, token in enumerate(accepted):
             try:
-                step = self._push(token)
+                verdict = self._push(token)
             except RoundError as error:
                 return _Emission(i, k, i, failure=error.cause)
-            if step.finished and not step.keep:
+            if not verdict.fed:
                 # Positions after an accepted EOS carry no verdict for the controller.
-                return _Emission(i, i + 1, i, end=step.reason or "stop")
+                return _Emission(i, i + 1, i, end=verdict.end)
             if self._cancelled():
                 return _Emission(i, k, i + 1, end="cancel")
-            end = self._last_token(step)
-            if step.forced or end is not None:
-                return _Emission(i + 1, k, i + 1, end=end, forced=list(step.forced))
+            if verdict.forced or verdict.end is not None:
+                return _Emission(i + 1, k, i + 1, end=verdict.end, forced=list(verdict.forced))
         return _Emission(len(accepted), k, len(accepted))
 
     @staticmethod

@@ -4,8 +4,9 @@
 (one more cache slot of the prefix cache) and the depth controller, which learns acceptance
 and round costs across requests. ``open`` starts a request's ``SpeculationSession`` before
 prefill: the draft session that sees every committed forward (so speculation can start or
-resume at any step without an extra forward), the request's counters, and the decode loop
-that moves between speculative rounds and the pipelined plain loop. The session closes on
+resume at any step without an extra forward), the request's counters, and the request's
+drafter (``RoundDriver``), which ``runner.decoder.DecodeLoop`` drives between pipelined plain
+steps. The session closes on
 every exit path (``with``): the draft cache then rests level with the target, or the head is
 discarded when the request failed.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
 
@@ -27,29 +28,11 @@ from drafting.depth import DepthController, FixedDepth
 from drafting.head import MTPHead
 from drafting.logprobs import LogprobRows
 from drafting.mlx_ops import MlxRoundOps
-from drafting.rounds import RoundDriver, RoundError
+from drafting.rounds import RoundDriver
 from drafting.session import DraftSession
 from drafting.stats import SpecStats
 
 log = logging.getLogger("mtp_runner.speculation")
-
-
-class PlainLoop(Protocol):
-    """What the decode loop needs from ``runner.decoder.PlainLoop``."""
-
-    ledger: Ledger
-    dec: Any  # the plain decoder: ``dec.read(cur)`` reads a sample without emitting it
-
-    @property
-    def fed(self) -> list[int]: ...
-
-    def start(self, seed: int) -> Any: ...
-
-    def step(self, cur: Any) -> Any: ...  # -> LoopStep(outcome, next)
-
-    def read(self, cur: Any) -> int: ...
-
-    def resume(self, token: int) -> Any: ...
 
 
 class Speculation:
@@ -115,130 +98,32 @@ class SpeculationSession:
         self.final = outcome.final
         return outcome
 
-    def decoding(
+    def drafter(
         self,
-        loop: PlainLoop,
-        cur: Any,
+        ledger: Ledger,
         cancelled: Callable[[], bool],
         *,
         model,
         caches: list,
         sampler,
         emit: Callable[[int], Any],
-        budget: int | None,
         speculate: bool = True,
         logprobs: LogprobRows | None = None,
         constraint=None,
-    ) -> Decoding:
-        """The decode loop from ``cur`` (the plain loop's first in-flight sample), one
-        :meth:`Decoding.step` at a time: speculative rounds, parking in the pipelined plain
-        loop whenever the depth is 0; ``speculate`` False parks for good (the draft cache
-        still follows every committed forward). ``logprobs`` receives the target's rows of
-        every round for the emitter to take. ``constraint`` (constrained output) masks the
-        drafts and the verify rows and follows every token the rounds feed."""
+    ) -> RoundDriver:
+        """The request's drafter for ``runner.decoder.DecodeLoop``: speculative rounds on the
+        request's ``ledger`` (which holds its budget), parking whenever the depth is 0;
+        ``speculate`` False parks for good (the draft cache still follows every committed
+        forward). ``logprobs`` receives the target's rows of every round for the emitter to
+        take. ``constraint`` (constrained output) masks the drafts and the verify rows and
+        follows every token the rounds feed."""
         fixed = self.owner.fixed_depth
         if fixed is not None:
             depth = FixedDepth(fixed if speculate else 0)
         else:
             depth = self.owner.depth.session(speculative=speculate)
         ops = MlxRoundOps(model, caches, self.draft, sampler, logprobs, constraint)
-        driver = RoundDriver(
-            ops,
-            emit,
-            cancelled,
-            depth=depth,
-            budget=budget,
-            stats=self.stats,
-            ledger=loop.ledger,
-        )
-        return Decoding(loop, cur, cancelled, driver, logprobs, session=self)
-
-    def decode(self, loop: PlainLoop, seed: int, cancelled: Callable[[], bool], **kwargs):
-        """:meth:`decoding` from ``seed`` (the last prompt token) until generation ends."""
-        return self.decoding(loop, loop.start(seed), cancelled, **kwargs).run()
-
-
-class Decoding:
-    """One request's decode loop as steps. ``cur`` is always the current token: sampled, not
-    yet emitted, not yet fed; lazy while the plain loop has it in flight. Resuming speculation
-    needs no extra forward: a round starts from the plain loop's in-flight sample. Between
-    steps a scheduler may advance ``cur`` itself with plain steps (:meth:`stepped`), e.g. in a
-    forward batched with other requests; the draft session follows those too."""
-
-    def __init__(
-        self,
-        loop: PlainLoop,
-        cur: Any,
-        cancelled: Callable[[], bool],
-        driver: RoundDriver | None = None,
-        logprobs: LogprobRows | None = None,
-        session: SpeculationSession | None = None,
-    ) -> None:
-        self.loop = loop
-        self.cur = cur
-        self.cancelled = cancelled
-        self.driver = driver
-        self.logprobs = logprobs
-        self.session = session
-        self.cur_token: int | None = None  # ``cur`` read and emitted, while it is being fed
-
-    def run(self) -> Outcome:
-        while (outcome := self.step()) is None:
-            pass
-        return outcome
-
-    def ended(self, outcome: Outcome) -> Outcome:
-        """Generation ended with ``outcome`` (in a step the caller ran itself)."""
-        return self.session.finish(outcome) if self.session is not None else outcome
-
-    _end = ended
-
-    def cancel_check(self) -> Outcome | None:
-        """The outcome of a cancel seen before a step, else None."""
-        if self.cancelled():
-            loop = self.loop
-            return self._end(Outcome("cancelled", loop.fed, loop.dec.read(self.cur)))
-        return None
-
-    def stepped(self, step: Any) -> Outcome | None:
-        """Take the result of a plain step the caller ran on ``cur`` (``loop.step``)."""
-        if step.outcome is not None:
-            return self._end(step.outcome)
-        self.cur = step.next
-        return None
-
-    def step(self) -> Outcome | None:
-        """One plain step or one speculative round; the outcome once generation ended."""
-        if (outcome := self.cancel_check()) is not None:
-            return outcome
-        loop, driver, logprobs = self.loop, self.driver, self.logprobs
-        if driver is None or driver.plan().parked:
-            step = loop.step(self.cur)  # one pipelined plain step, a depth-0 round
-            if driver is not None:
-                driver.parked_round()
-            return self.stepped(step)
-        x = loop.read(self.cur)
-        if logprobs is not None and self.cur.logprobs is not None:
-            # A plain step decided x: the round emits it, so hand its row over.
-            chosen, ids, values = self.cur.logprobs
-            logprobs.put(loop.dec.position, [x], [chosen.item()], [ids.tolist()], [values.tolist()])
-        try:
-            end = driver.round(x)
-        except RoundError as error:
-            if not error.reusable:
-                raise
-            # The caches hold exactly the committed prefix: end this request only.
-            log.error("speculative round failed: %s", error)
-            return self._end(Outcome("error", loop.fed, None, error=str(error)))
-        if not end.finished:
-            self.cur = loop.resume(end.next)
-            return None
-        ledger = loop.ledger
-        final = None
-        if len(ledger.emitted) > len(ledger.committed):
-            final = ledger.emitted[len(ledger.committed)]
-        reason = "cancelled" if end.reason == "cancel" else end.reason
-        return self._end(Outcome(reason, loop.fed, final))
+        return RoundDriver(ops, emit, cancelled, depth=depth, stats=self.stats, ledger=ledger)
 
 
 def guarded(draft: DraftSession, method: str) -> Callable:

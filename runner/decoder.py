@@ -1,4 +1,4 @@
-"""Prefill in chunks and the pipelined plain decoder.
+"""The pipelined plain decoder and the one decode loop.
 
 The plain decoder keeps one forward in flight: the forward that feeds token n is dispatched
 (``mx.async_eval``) before token n is read on the host, so detokenizing, frame writing and
@@ -7,56 +7,28 @@ Python overhead overlap the model. Token n's own successor is the next in-flight
 Ledgers: a token is *fed* when its forward is dispatched; its effects are *reported*
 (penalty history, draft session) and it is *committed* in the request's ``cache.ledger.Ledger``
 only once it is known to stay. An EOS dispatched before it was read is rewound away.
+
+``DecodeLoop`` is a request's decode loop as steps: a pipelined plain step, or a round of a
+``Drafter`` (``drafting.rounds.RoundDriver``) while it does not park. Every emitted token,
+whichever path emits it, is judged by ``Ledger.judge``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import statistics
-import time
-from collections.abc import Callable, Iterator, Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 
-from cache.ledger import Ledger, Outcome
-from runner import blas
+from cache.ledger import Ledger, Outcome, Verdict
+from drafting.logprobs import LogprobRows
+from drafting.rounds import RoundError
 from runner.constraint import masked
-from runner.models.attention import between_blocks
+from runner.prefill import CommitHook, takes_layer_hook
 
-# Called with (tokens [L] int32 array, hiddens [L, D], position of tokens[0]) for every run of
-# tokens whose state the target caches keep: the draft session's `committed`.
-CommitHook = Callable[[mx.array, mx.array, int], None]
-
-
-class Cancelled(Exception):
-    """Raised by ``prefill`` when the request was cancelled; ``args[0]`` is the offset the
-    caches were left at (the end of the last whole chunk)."""
-
-
-class _CancelledInChunk(Exception):
-    """A cancel seen between the layers of a chunk (``_LayerPoll``): the chunk is rewound."""
-
-
-# Chunks of at least this many rows are evaluated piecewise with a cancel poll after each
-# layer and each query block of its attention, so a cancel lands within about one block's or
-# one layer's linear products' time instead of a whole chunk's. Shorter chunks are polled
-# only ahead of each chunk (one call of ``cancelled`` per chunk).
-POLL_ROWS = 64
-# While a prefill runs MLX may keep this many bytes of freed buffers for reuse (its default
-# is small on the CPU): the blocked attention's score tiles have fixed shapes, and a buffer
-# handed back to the system comes back as fresh pages to fault in on the next tile. The old
-# limit returns when prefill ends; the engine clears the cache after every request.
-PREFILL_BUFFER_CACHE = 1 << 30
-
-
-def chunk_ends(start: int, end: int, chunk: int) -> list[int]:
-    """Absolute offsets where prefill chunks of at most ``chunk`` tokens end.
-
-    Chunks need not end at prefix-cache snapshot points: KV snapshots are ranges of the live
-    buffers, taken when the request closes."""
-    return [*range(start + chunk, end, chunk), end]
+log = logging.getLogger("mtp_runner.decoder")
 
 
 def dispatch_layer(index: int, x: mx.array) -> None:
@@ -66,176 +38,6 @@ def dispatch_layer(index: int, x: mx.array) -> None:
     built after the previous ones ran; dispatching layer by layer overlaps building with
     computing (the values are the same: only when they are computed changes)."""
     mx.async_eval(x)
-
-
-def takes_layer_hook(model) -> bool:
-    """Whether ``model.hidden`` accepts ``on_layer`` (``runner.models.llama.Model.hidden``):
-    such models are evaluated and polled layer by layer inside long chunks, and a chunk
-    cancelled there is rewound, so their caches must rewind to any offset of the last feed
-    (``KVCache``, ``RotatingKVCache``)."""
-    try:
-        return "on_layer" in inspect.signature(model.hidden).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-class ThreadChoice:
-    """Whether prefill layers run the BLAS on every core (``blas.wide``) or on the decode
-    count, chosen by timing, process-wide.
-
-    Every core speeds the attention products when the other cores are free; but each product
-    is a fork-join, and while another process holds a core every product waits for that
-    core's scheduler slice, which on a shared machine makes a layer several times slower than
-    on one thread. The layers of one chunk do the same work, so now and then a chunk runs one
-    layer (``PROBE_LAYER``) the other way: a probe faster than ``MARGIN`` times the chunk's
-    median layer switches the choice (and the next chunk probes again), one that is not
-    doubles the interval to the next probe, up to ``MAX_INTERVAL`` chunks. Both ways compute
-    the same bits (oneMKL's products here do not depend on the thread count; a test checks
-    it), so the choice moves speed only. Only where the runner sets MKL's thread counts."""
-
-    PROBE_LAYER = 1
-    MARGIN = 0.85
-    MAX_INTERVAL = 16
-
-    def __init__(self) -> None:
-        self.wide = True
-        self.interval = 1
-        self.countdown = 1  # chunks until the next probe
-
-    def next_probe(self, layers: int) -> int | None:
-        """The layer of the next chunk that runs the other way, or None."""
-        counts = blas.thread_counts()
-        if counts is None or counts[0] == counts[1] or layers <= self.PROBE_LAYER + 1:
-            return None
-        self.countdown -= 1
-        return self.PROBE_LAYER if self.countdown <= 0 else None
-
-    def settle(self, probe: float, others: Sequence[float]) -> None:
-        """Record a probe's seconds against the seconds of the chunk's other layers."""
-        if probe < self.MARGIN * statistics.median(others):
-            self.wide = not self.wide
-            self.interval = 1
-        else:
-            self.interval = min(2 * self.interval, self.MAX_INTERVAL)
-        self.countdown = self.interval
-
-
-THREADS = ThreadChoice()
-
-
-class _LayerPoll:
-    """``on_layer`` hook of one chunk, a context for its forward: evaluates every layer (and
-    every query block of a blocked attention, ``attention.between_blocks``) as soon as it is
-    built, polls for a cancel after each, times the layers, and runs each wide or not as
-    ``THREADS`` says (layer ``probe`` the other way)."""
-
-    def __init__(self, caches: list, cancelled: Callable[[], bool], probe: int | None) -> None:
-        self.caches = caches
-        self.cancelled = cancelled
-        self.probe = probe
-        self.seconds: list[float] = []
-        self._threads = contextlib.ExitStack()  # holds blas.wide() while a layer runs wide
-        self._wide = False
-        self._mark = 0.0
-
-    def __enter__(self) -> _LayerPoll:
-        self._threads_for(0)
-        self._mark = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._threads.close()
-        self._wide = False
-
-    def _threads_for(self, layer: int) -> None:
-        wide = THREADS.wide != (layer == self.probe)
-        if wide and not self._wide:
-            self._threads.enter_context(blas.wide())
-        elif self._wide and not wide:
-            self._threads.close()
-        self._wide = wide
-
-    def _poll(self) -> None:
-        if self.cancelled():
-            raise _CancelledInChunk
-
-    def block(self, out: mx.array) -> None:
-        """Between two query blocks of a layer's attention."""
-        mx.eval(out)
-        self._poll()
-
-    def __call__(self, index: int, x: mx.array) -> None:
-        mx.eval(x, self.caches[index].state)
-        now = time.perf_counter()
-        self.seconds.append(now - self._mark)
-        self._mark = now
-        self._poll()
-        self._threads_for(index + 1)
-
-    def settle(self) -> None:
-        if self.probe is not None and len(self.seconds) > self.probe + 1:
-            others = self.seconds[: self.probe] + self.seconds[self.probe + 1 :]
-            THREADS.settle(self.seconds[self.probe], others)
-
-
-@contextlib.contextmanager
-def _buffer_cache(limit: int) -> Iterator[None]:
-    """MLX's buffer-cache limit raised to ``limit`` (never lowered) for the block."""
-    previous = mx.set_cache_limit(limit)
-    if previous > limit:
-        mx.set_cache_limit(previous)
-    try:
-        yield
-    finally:
-        mx.set_cache_limit(previous)
-
-
-def prefill(
-    model,
-    caches: list,
-    tokens: Sequence[int],
-    position: int,
-    *,
-    chunk: int = 512,
-    cancelled: Callable[[], bool] = lambda: False,
-    on_commit: CommitHook | None = None,
-) -> int:
-    """Evaluate ``tokens`` (starting at cache offset ``position``) in chunks of ``chunk``;
-    return the new offset. Cancellation is checked before each chunk and, in chunks of
-    ``POLL_ROWS`` rows or more of a model that takes a layer hook, after each layer and between
-    the query blocks of its blocked attention (``runner.models.attention``). A cancelled
-    prefill raises ``Cancelled`` and keeps the chunks it finished: a chunk cancelled inside is
-    rewound, so every cache rests at the end of the last whole chunk, and ``on_commit`` only
-    ever sees whole chunks."""
-    start = position
-    if not tokens:
-        return start
-    layered = takes_layer_hook(model)
-    with _buffer_cache(PREFILL_BUFFER_CACHE):
-        for end in chunk_ends(position, position + len(tokens), chunk):
-            if cancelled():
-                raise Cancelled(start)
-            ids = mx.array(tokens[start - position : end - position], dtype=mx.int32)
-            try:
-                if layered and end - start >= POLL_ROWS:
-                    poll = _LayerPoll(caches, cancelled, THREADS.next_probe(len(caches)))
-                    with poll, between_blocks(poll.block):
-                        hidden = model.hidden(ids[None], caches, on_layer=poll)
-                    mx.eval(hidden, [c.state for c in caches])
-                    poll.settle()
-                else:
-                    with blas.wide() if THREADS.wide else contextlib.nullcontext():
-                        hidden = model.hidden(ids[None], caches)
-                        mx.eval(hidden, [c.state for c in caches])
-            except _CancelledInChunk:
-                for c in caches:  # the layers evaluated so far appended this chunk
-                    if c.offset > start:
-                        c.rewind(start)
-                raise Cancelled(start) from None
-            if on_commit is not None:
-                on_commit(ids, hidden[0], start)
-            start = end
-    return start
 
 
 @dataclass
@@ -252,7 +54,7 @@ class Sampled:
 class PlainDecoder:
     """One forward per token, always one in flight.
 
-    ``start(seed)`` feeds the seed (the last prompt token) and returns the in-flight sample for
+    ``start(last_prompt)`` feeds the last prompt token and returns the in-flight sample for
     the first generated token. ``advance(sampled)`` dispatches the forward that feeds
     ``sampled`` and returns the next in-flight sample; the caller then reads ``sampled`` with
     ``read``. A token's forward is reported to ``on_commit`` only through ``commit`` once the
@@ -319,12 +121,12 @@ class PlainDecoder:
 
     def _constrain(self, logits: mx.array, hidden: mx.array, emitted: bool) -> mx.array:
         """The logits the next token is sampled from (unconstrained: as they are);
-        ``emitted``: the fed tokens are generated ones (not the prompt's seed)."""
+        ``emitted``: the fed tokens are generated ones (not the last prompt token)."""
         return logits
 
-    def start(self, seed: int) -> Sampled:
-        """Feed the decode seed (already in the penalty history as part of the prompt)."""
-        return self._feed(mx.array([seed], dtype=mx.int32), append=False)
+    def start(self, last_prompt: int) -> Sampled:
+        """Feed the last prompt token (already in the penalty history with the prompt)."""
+        return self._feed(mx.array([last_prompt], dtype=mx.int32), append=False)
 
     def advance(self, sampled: Sampled) -> Sampled:
         """Dispatch the forward feeding ``sampled`` (still lazy); return its successor."""
@@ -373,7 +175,7 @@ class ConstrainedDecoder(PlainDecoder):
 
     def _constrain(self, logits: mx.array, hidden: mx.array, emitted: bool) -> mx.array:
         mx.async_eval(logits, hidden, self.cache_state())
-        if emitted:  # generated tokens the grammar has not seen (the seed is the prompt's)
+        if emitted:  # generated tokens the grammar has not seen (not the last prompt token)
             for token in self._emitted.tolist():
                 self.constraint.consume(int(token))
         return masked(logits, self.constraint.mask())
@@ -411,7 +213,7 @@ class PlainLoop:
         self.dec = dec
         self.emitter = emitter
         self.ledger = ledger if ledger is not None else Ledger()
-        self.max_tokens = max_tokens
+        self.ledger.budget = max_tokens or None  # 0: no budget
         self.context_length = context_length
         self.logprob_entry = logprob_entry
         self.on_first_token = on_first_token
@@ -422,9 +224,9 @@ class PlainLoop:
         """The generated tokens the caches hold (the ledger's committed tokens)."""
         return self.ledger.committed
 
-    def start(self, seed: int) -> Sampled:
-        """Feed the decode seed (the last prompt token); return the first in-flight sample."""
-        cur = self.dec.start(seed)
+    def start(self, last_prompt: int) -> Sampled:
+        """Feed the last prompt token; return the first in-flight sample."""
+        cur = self.dec.start(last_prompt)
         self.dec.commit(cur)
         return cur
 
@@ -440,45 +242,137 @@ class PlainLoop:
             self._first = False
         return token
 
+    def context_full(self) -> bool:
+        """Whether the current token takes the context's last position."""
+        return self.dec.position + 1 >= self.context_length
+
     def is_last(self) -> bool:
         """Whether the current token is certainly the last one (budget or context end): the
         step emits it without feeding it."""
-        return bool(self.max_tokens and self.ledger.used + 1 >= self.max_tokens) or (
-            self.dec.position + 1 >= self.context_length
-        )
+        remaining = self.ledger.remaining()
+        return (remaining is not None and remaining <= 1) or self.context_full()
+
+    def emit(self, cur: Sampled) -> tuple[int, Verdict]:
+        """Read ``cur``, hand it to the emitter and judge it (``Ledger.judge``)."""
+        token = self.read(cur)
+        step = self.emitter.push(token, self.logprob_entry(cur))
+        return token, self.ledger.judge(token, step, context_full=self.context_full())
 
     def step(self, cur: Sampled) -> LoopStep:
         """Emit ``cur``, dispatching the forward that feeds it first unless it is the last."""
         dec, ledger = self.dec, self.ledger
         nxt = None if self.is_last() else dec.advance(cur)
-        token = self.read(cur)
-        step = self.emitter.push(token, self.logprob_entry(cur))
-        ledger.emit(token, step.forced, counted=step.keep)
-        if not step.keep:
+        token, verdict = self.emit(cur)
+        if not verdict.fed or nxt is None:  # an EOS (its forward undone), or the last token
             if nxt is not None:
                 dec.unfeed(nxt)
-            return LoopStep(Outcome(step.reason or "stop", self.fed, token))
-        if nxt is None:
-            return LoopStep(Outcome(step.reason or "length", self.fed, token))
+            return LoopStep(Outcome(verdict.end, self.fed, token))
         ledger.commit([token])
         dec.commit(nxt)
-        if step.finished:
-            return LoopStep(Outcome(step.reason or "stop", self.fed, dec.read(nxt)))
-        if step.forced:
+        if verdict.end is not None:
+            return LoopStep(Outcome(verdict.end, self.fed, dec.read(nxt)))
+        if verdict.forced:
             # The in-flight successor assumed no close marker; feed the marker instead.
-            nxt = dec.feed_forced(step.forced)
-            ledger.commit(step.forced)
+            nxt = dec.feed_forced(verdict.forced)
+            ledger.commit(verdict.forced)
             dec.commit(nxt)
         return LoopStep(None, nxt)
 
 
-def decode_plain(loop: PlainLoop, seed: int, cancelled: Callable[[], bool]) -> Outcome:
-    """Pipelined plain decoding from ``seed`` until the emitter, budget or a cancel ends it."""
-    cur = loop.start(seed)
-    while True:
-        if cancelled():
-            return Outcome("cancelled", loop.fed, loop.dec.read(cur))
-        step = loop.step(cur)
+class Drafter(Protocol):
+    """What the decode loop needs from a drafter (``drafting.rounds.RoundDriver``; a second
+    drafter implements the same three calls)."""
+
+    def plan(self) -> DraftPlan:
+        """The next round's plan; ``parked`` means a plain step instead of a round."""
+
+    def round(self, x: int) -> RoundOutcome:
+        """One round at the current token ``x`` (emits it and whatever it accepts); raises
+        ``drafting.rounds.RoundError`` when the request cannot go on."""
+
+    def parked_round(self) -> None:
+        """Account one plain step taken while parked (it wrote its token to the ledger)."""
+
+
+class DraftPlan(Protocol):
+    parked: bool
+
+
+class RoundOutcome(Protocol):
+    reason: str  # "continue", "stop", "length" or "cancel"
+    next: int | None  # the successor when the round continues
+
+    @property
+    def finished(self) -> bool: ...
+
+
+class DecodeLoop:
+    """One request's decode loop as steps. ``cur`` is always the current token: sampled, not
+    yet emitted, not yet fed; lazy while the plain loop has it in flight. Resuming a drafter
+    needs no extra forward: a round starts from the plain loop's in-flight sample. Between
+    steps a scheduler may advance ``cur`` itself with plain steps (:meth:`stepped`), e.g. in a
+    forward shared with other requests; the drafter's session follows those too."""
+
+    def __init__(
+        self,
+        plain: PlainLoop,
+        cur: Sampled,
+        cancelled: Callable[[], bool],
+        drafter: Drafter | None = None,
+        logprobs: LogprobRows | None = None,
+    ) -> None:
+        self.plain = plain
+        self.cur = cur
+        self.cancelled = cancelled
+        self.drafter = drafter
+        self.logprobs = logprobs
+
+    def cancel_check(self) -> Outcome | None:
+        """The outcome of a cancel seen before a step, else None."""
+        if self.cancelled():
+            plain = self.plain
+            return Outcome("cancelled", plain.fed, plain.dec.read(self.cur))
+        return None
+
+    def stepped(self, step: LoopStep) -> Outcome | None:
+        """Take the result of a plain step run on ``cur``."""
         if step.outcome is not None:
             return step.outcome
-        cur = step.next
+        self.cur = step.next
+        return None
+
+    def step(self) -> Outcome | None:
+        """One plain step or one round; the outcome once generation ended."""
+        if (outcome := self.cancel_check()) is not None:
+            return outcome
+        plain, drafter = self.plain, self.drafter
+        if drafter is None or drafter.plan().parked:
+            step = plain.step(self.cur)  # one pipelined plain step, a depth-0 round
+            if drafter is not None:
+                drafter.parked_round()
+            return self.stepped(step)
+        x = plain.read(self.cur)
+        self._hand_over_logprobs(x)
+        try:
+            end = drafter.round(x)
+        except RoundError as error:
+            if not error.reusable:
+                raise
+            # The caches hold exactly the committed prefix: end this request only.
+            log.error("speculative round failed: %s", error)
+            return Outcome("error", plain.fed, None, error=str(error))
+        if not end.finished:
+            self.cur = plain.resume(end.next)
+            return None
+        ledger = plain.ledger
+        final = None
+        if len(ledger.emitted) > len(ledger.committed):
+            final = ledger.emitted[len(ledger.committed)]
+        return Outcome("cancelled" if end.reason == "cancel" else end.reason, plain.fed, final)
+
+    def _hand_over_logprobs(self, x: int) -> None:
+        """A plain step decided x and the round emits it: hand its logprob row over."""
+        if self.logprobs is not None and self.cur.logprobs is not None:
+            chosen, ids, values = self.cur.logprobs
+            position = self.plain.dec.position
+            self.logprobs.put(position, [x], [chosen.item()], [ids.tolist()], [values.tolist()])

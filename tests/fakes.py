@@ -28,7 +28,15 @@ import numpy as np
 from cache.recurrent import RecurrentCache
 from drafting.accept import matched_decision
 from drafting.depth import FixedDepth
-from drafting.rounds import HeadError, HostError, Replay, RoundDriver, TargetError, Verification
+from drafting.rounds import (
+    HeadError,
+    HostError,
+    Replay,
+    RoundDriver,
+    RoundEnd,
+    TargetError,
+    Verification,
+)
 from runner.emit import Step
 from runner.sampler import Sampler, SamplingParams
 
@@ -498,7 +506,18 @@ def emitter_frames(tokenizer, prompt: Seq, first: int, depth: int, *, stop=(), m
     driver = RoundDriver(
         ops, emitter.push, lambda: False, depth=FixedDepth(depth), budget=max_tokens
     )
-    end = driver.run(first)
+    end = run_rounds(driver, first)
     emitter.finish()
     check_state(ops, driver)
     return sent, end, driver.committed, ops.pairs
+
+
+def run_rounds(driver: RoundDriver, first: int) -> RoundEnd:
+    """Rounds from ``first`` until generation ends (a zero budget emits nothing): the whole
+    decode of a request on the round driver alone."""
+    if driver.remaining() == 0:
+        return RoundEnd("length")
+    end = RoundEnd("continue", first)
+    while not end.finished:
+        end = driver.round(end.next)
+    return end

@@ -18,6 +18,7 @@ from tests.fakes import (
     emitter_frames,
     hash_token,
     one_hot,
+    run_rounds,
     scripted,
     seeded_sampler,
     spread,
@@ -210,13 +211,13 @@ def test_final_slot_feeds_x_without_logits_or_draft():
 
 def test_zero_budget_emits_nothing():
     ops, em, driver = make(budget=0)
-    assert driver.run(X) == RoundEnd("length")
+    assert run_rounds(driver, X) == RoundEnd("length")
     assert em.pushed == [] and driver.committed == [] and ops.log == []
 
 
 def test_budget_clamps_the_draft_depth():
     ops, em, driver = make(depth=8, budget=4)
-    assert driver.run(X).reason in ("length", "stop")
+    assert run_rounds(driver, X).reason in ("length", "stop")
     assert ops.events("head_step")[0] == ("head_step", X, 3)
     if driver.emitted[-1] != EOS:
         assert len(driver.committed) == 4
@@ -327,7 +328,7 @@ def test_head_step_failure_discards_the_head_and_finishes_target_only():
     assert driver.committed == [X] and not ops.head_alive
     assert driver.stats.drafted == 0 and driver.stats.rounds == 0
     assert driver.plan().why == "no-head"
-    driver.run(end.next)
+    run_rounds(driver, end.next)
     assert len(ops.events("head_step")) == 1
     check_state(ops, driver)
 
@@ -454,7 +455,7 @@ def test_every_draw_is_keyed_by_the_slot_it_fills_and_drafts_share_the_target_sl
         draft_probs=spread(2, V, banned=(EOS, CLOSE)),
         think=5,
     )
-    driver.run(X)
+    run_rounds(driver, X)
     log = ops.log
     names = [e[0] for e in log]
     starts = [i for i, e in enumerate(log) if e[0] == "head_step"]
@@ -480,7 +481,7 @@ def test_greedy_rounds_consume_no_randomness():
     greedy = Sampler(SamplingParams(temperature=0.0, seed=1), [], V, 4096)
     for sampler in (GreedyDraws(), greedy):
         ops, _, driver = make(depth=3, budget=16, sampler=sampler)
-        driver.run(X)
+        run_rounds(driver, X)
         assert driver.stats.rounds > 0 and ops.events("rng") == []
 
 
@@ -511,7 +512,7 @@ def test_same_seed_same_output():
     def run(seed):
         probs = dict(target_probs=spread(7, V), draft_probs=spread(8, V))
         ops, _, driver = make(depth=3, budget=24, sampler=sampled(seed), **probs)
-        driver.run(X)
+        run_rounds(driver, X)
         return driver.emitted, driver.committed, ops.fed, ops.pairs, driver.stats.as_dict()
 
     first, again, other = run(99), run(99), run(100)
@@ -546,8 +547,8 @@ def test_seeded_speculation_is_token_for_token_plain_sampling(depth):
             emitter=ScriptedEmitter(stop_at=stops),
             **probs,
         )
-        end = driver.run(X)
-        plain_end = plain.run(X)
+        end = run_rounds(driver, X)
+        plain_end = run_rounds(plain, X)
         assert driver.emitted == plain.emitted and end == plain_end, seed
         assert ops.fed == plain_ops.fed
         check_state(ops, driver)
@@ -571,7 +572,7 @@ def test_sampled_speculation_matches_plain_sampling_on_the_fake():
         probs = dict(target_probs=target, draft_probs=draft)
         ops = FakeOps(PROMPT, vocab=vocab, sampler=sampled(seed, vocab), **probs)
         _, _, driver = make(ops, depth=2, budget=4, emitter=ScriptedEmitter(eos=()))
-        driver.run(X)
+        run_rounds(driver, X)
         counts[tuple(driver.emitted[1:])] += 1
         check_state(ops, driver)
     keys = sorted(cells)
@@ -589,12 +590,12 @@ PROMPTS = [[1, 5, 8], [3], [7, 7, 9, 11, 0, 13]]
 def test_greedy_speculation_equals_plain_greedy(prompt):
     for budget in (1, 2, 7, 16, 31):
         plain_ops, _, plain = make(FakeOps(prompt, vocab=V), depth=0, budget=budget)
-        plain_end = plain.run(X)
+        plain_end = run_rounds(plain, X)
         check_state(plain_ops, plain)  # depth 0 with a live head: every fed token paired
         assert plain_ops.events("head_step") == [] and plain_ops.head_alive
         for depth in (1, 2, 4, 8):
             ops, _, driver = make(FakeOps(prompt, vocab=V), depth=depth, budget=budget)
-            end = driver.run(X)
+            end = run_rounds(driver, X)
             case = (budget, depth)
             assert end == plain_end, case
             assert driver.emitted == plain.emitted, case
@@ -607,7 +608,7 @@ def test_greedy_speculation_equals_plain_greedy(prompt):
 
 def test_stats_accounting_is_consistent():
     ops, _, driver = make(depth=3, budget=24)
-    driver.run(X)
+    run_rounds(driver, X)
     stats = driver.stats
     assert stats.rounds > 0
     assert sum(stats.accepted_per_depth) == stats.rounds
@@ -651,9 +652,9 @@ def test_parked_rounds_are_counted_and_timed():
 def test_controller_driven_run_stays_lossless_and_learns():
     controller = DepthController(max_depth=4, clock=iter(np.arange(0, 1e4, 0.5)).__next__)
     plain_ops, _, plain = make(depth=0, budget=60)
-    plain.run(X)
+    run_rounds(plain, X)
     ops, _, driver = make(depth=controller.session(), budget=60)
-    driver.run(X)
+    run_rounds(driver, X)
     assert driver.emitted == plain.emitted and ops.fed == plain_ops.fed
     state = controller.state()
     assert 0 in state["cost_ms"] and 1 in state["cost_ms"]
