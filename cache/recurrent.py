@@ -12,9 +12,9 @@ feed before kept. ``can_rewind(to)`` holds for the current offset, 0 (the zero s
 those positions; rewinding anywhere else raises, naming what is kept. So an unfed EOS (a
 rewind by one row) and a rejected draft suffix are exact, and nothing else pretends to be.
 
-**Prefix cache.** The cache presents itself as ``windowed`` (``cache.session``'s protocol for
-caches that resume only at certain positions, as ``RotatingKVCache`` does): its trie snapshot
-of a node is the whole state at the node's end (:class:`RecurrentSnapshot`, a
+**Prefix cache.** The cache is ``windowed`` and ``keeps_states`` (``cache.base``): it resumes
+only at certain positions, as ``RotatingKVCache`` does, and rewinds only to kept ones. Its
+trie snapshot of a node is the whole state at the node's end (:class:`RecurrentSnapshot`, a
 ``WindowSnapshot`` with no window, restorable at ``end`` only), or an empty placeholder where
 no state was kept. ``set_pins`` names positions the prefix cache will want snapshots at; when
 a feed passes one the layer computes the state there too and the cache keeps a copy, within a
@@ -29,7 +29,8 @@ from collections.abc import Iterable
 
 import mlx.core as mx
 
-from cache.kv import WindowSnapshot, claim_pin
+from cache.base import BaseCache
+from cache.window import WindowSnapshot, claim_pin
 
 # (conv rows, recurrent state); (None, None) is the zero state of position 0.
 State = tuple[mx.array | None, mx.array | None]
@@ -68,14 +69,15 @@ class RecurrentSnapshot(WindowSnapshot):
         return f"RecurrentSnapshot([{self.start}, {self.end}), {state})"
 
 
-class RecurrentCache:
+class RecurrentCache(BaseCache):
     """The conv rows and recurrent state of one linear-attention layer (module docstring).
 
     The layer calls :meth:`wanted` before a feed of ``L`` rows (which row counts to return
     states after), then :meth:`update` with the new state and those states.
     """
 
-    windowed = True  # resumes only where a state is held (cache.session's windowed protocol)
+    windowed = True  # resumes only where a state is held
+    keeps_states = True  # rewinds only to the offset, 0 and the positions keep() named
 
     def __init__(self) -> None:
         self.offset = 0

@@ -5,13 +5,14 @@ snapshots are lazy ranges of those buffers. ``begin`` switches the live caches t
 match (a rewind when it is on the live path, snapshot restores otherwise); ``close`` indexes
 what the caches hold after the request and enforces the byte budget.
 
-Sliding-window caches (``RotatingKVCache``) hold only the window before their offset, so
-their snapshot of a node is the window at the node's end (``WindowSnapshot``): such a cache
-can resume at a node end whose window was kept, or by an offset move while it still holds the
-window. ``begin`` restores the deepest point at or below the match that every cache can reach
-(``cached`` reports it) and pins, in the windowed caches, the positions where ``close`` will
-want windows (the snapshot points, where the prompt leaves the trie, the matched node ends
-past the restore point), so they are kept when prefill passes them.
+Sliding-window caches (``RotatingKVCache``: ``windowed``, in ``cache.base``'s interface) hold
+only the window before their offset, so their snapshot of a node is the window at the node's
+end (``WindowSnapshot``): such a cache can resume at a node end whose window was kept, or by an
+offset move while it still holds the window. ``begin`` restores the deepest point at or below
+the match that every cache can reach (``cached`` reports it) and pins, in the windowed caches,
+the positions where ``close`` will want windows (the snapshot points, where the prompt leaves
+the trie, the matched node ends past the restore point), so they are kept when prefill passes
+them.
 
 Recurrent layers (``cache.recurrent``) are windowed caches whose "window" is their whole state,
 so with any windowed cache a session also wants node boundaries where the next request is
@@ -29,8 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache.kv import KVCache, KVSnapshot, RotatingKVCache, WindowSnapshot
+from cache.base import BaseCache, BaseSnapshot
 from cache.trie import Node, PrefixTrie
+from cache.window import WindowSnapshot
 
 SNAPSHOT_INTERVAL = 2048
 # A snapshot this many tokens before the prompt end lets a regenerated last turn (whose final
@@ -54,13 +56,13 @@ def trie_keys(tokens: Sequence[int], pair: bool) -> list[int]:
     return [(a << 32) | b for a, b in zip(tokens, tokens[1:], strict=False)]
 
 
-def level_caches(caches: Sequence) -> int:
+def level_caches(caches: Sequence[BaseCache]) -> int:
     """Rest every cache at one offset and return it: the lowest offset, or, where a layer that
-    returns only to states it holds (``cache.recurrent``: ``rewind_points``) holds none there,
-    the deepest position at or below it that every such layer holds (0 at worst). A discarded
+    ``keeps_states`` (``cache.recurrent``: ``rewind_points``) holds no state there, the
+    deepest position at or below it that every such layer holds (0 at worst). A discarded
     draft head leaves its cache below the target's this way."""
     low = min((c.offset for c in caches), default=0)
-    exact = [c for c in caches if callable(getattr(c, "rewind_points", None))]
+    exact = [c for c in caches if c.keeps_states]
     if exact and not all(c.can_rewind(low) for c in exact):
         held = [{p for p in c.rewind_points() if p <= low} for c in exact]
         low = max(set.intersection(*held) | {0})
@@ -135,7 +137,7 @@ class PrefixCache:
 
     def __init__(
         self,
-        caches: list[KVCache | RotatingKVCache],
+        caches: list[BaseCache],
         budget_bytes: int,
         *,
         pair_keys: bool = False,
@@ -246,7 +248,7 @@ class PrefixCache:
                 break
         held = min(target, keep)
         for i, c in enumerate(at.caches):
-            if not getattr(c, "windowed", False):
+            if not c.windowed:
                 c.rewind(held)
             elif c.can_rewind(target) and target <= keep:
                 c.rewind(target)
@@ -258,7 +260,7 @@ class PrefixCache:
             if end <= node.start:
                 break
             for c, snap in zip(at.caches, node.snapshots, strict=True):
-                if not getattr(c, "windowed", False):
+                if not c.windowed:
                     if snap.owner is not None and snap.owner is not c:
                         snap.materialise()  # another set's live range: copied out first
                     c.restore(snap, end)
@@ -272,7 +274,7 @@ class PrefixCache:
         """Whether cache slot ``i`` can be brought to ``t``: a full cache anywhere on the path
         (rewind, then the nodes' ranges); a windowed one by an offset move while it holds the
         window before ``t``, or from the window kept at a node ending at ``t``."""
-        if not getattr(cache, "windowed", False):
+        if not cache.windowed:
             return True
         if t <= keep and cache.can_rewind(t):
             return True
@@ -298,7 +300,7 @@ class PrefixCache:
         most wanted first: the resume points (the prompt's end, where this session resumed),
         the pre-turn point and the split (regenerated turns and branches), then the others,
         deepest first."""
-        windowed = [c for c in at.caches if getattr(c, "windowed", False)]
+        windowed = [c for c in at.caches if c.windowed]
         if not windowed:
             return
         pre_turn = length - PRE_TURN - (1 if self.pair_keys else 0)
@@ -317,7 +319,7 @@ class PrefixCache:
     @staticmethod
     def _unpin(at: _Slot) -> None:
         for c in at.caches:
-            if getattr(c, "windowed", False):
+            if c.windowed:
                 c.set_pins(())
 
     def _points(self, length: int, cached: int, resume: Sequence[int] = ()) -> list[int]:
@@ -332,7 +334,7 @@ class PrefixCache:
         snapshot points (module docstring), most wanted first: the prompt's end (as its last
         key spells it: one short with pair keys; the restore point of a repeated prompt is
         one short of its end as well) and where this session resumed."""
-        if not any(getattr(c, "windowed", False) for c in at.caches):
+        if not any(c.windowed for c in at.caches):
             return []
         ends = [length - (1 if self.pair_keys else 0), length - 1, cached]
         return [p for p in dict.fromkeys(ends) if 0 < p <= length]
@@ -372,7 +374,7 @@ class PrefixCache:
             node.user = node.user or node.end in wanted  # e.g. where this session resumed
         stops = sorted({p for p in wanted if at.live[-1].end < p <= indexed})
 
-        def snapshots(start: int, end: int) -> list[KVSnapshot | WindowSnapshot]:
+        def snapshots(start: int, end: int) -> list[BaseSnapshot]:
             return [c.snapshot(start, end) for c in at.caches]
 
         for stop in [*stops, indexed]:
@@ -380,7 +382,7 @@ class PrefixCache:
                 at.live += self.trie.extend(at.live[-1], keys, stop, snapshots)
             if stop in stops:
                 at.live[-1].user = True
-        windowed = [i for i, c in enumerate(at.caches) if getattr(c, "windowed", False)]
+        windowed = [i for i, c in enumerate(at.caches) if c.windowed]
         for node in at.live[1:] if windowed else ():
             if not any(node.snapshots[i].restorable for i in windowed):
                 node.user = False  # no window was kept there: compaction may fold it

@@ -2,7 +2,7 @@
 
 Each node owns the positions ``[start, end)`` spelled by its edge keys and one snapshot per
 cache slot covering exactly that range (for a sliding-window cache: the window before ``end``,
-possibly empty when it was not kept; see ``cache.kv.WindowSnapshot``). The trie knows
+possibly empty when it was not kept; see ``cache.window.WindowSnapshot``). The trie knows
 nothing of the live caches; the session (``cache/session.py``) decides which path is live and
 hands in fresh snapshots.
 Memory accounting follows each snapshot's ``on_resize`` hook, so a lazy range that the live
@@ -14,7 +14,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 
-from cache.kv import KVSnapshot, WindowSnapshot, concat_snapshots
+from cache.kv import KVSnapshot, concat_snapshots
+from cache.window import WindowSnapshot
 
 # A full cache's range of the node's positions, or a windowed cache's window at its end.
 Snapshot = KVSnapshot | WindowSnapshot

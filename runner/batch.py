@@ -1,4 +1,5 @@
-"""Continuous batching: up to N completions decode at once, one row each in a shared forward.
+"""The scheduler: every completion runs through it, up to N at once, one row each in a shared
+forward (``--parallel 1``: one at a time, the same loop).
 
 Decode is memory-bound: a forward over a few rows reads the weights once, so it costs little
 more than a forward over one (``runner.native``'s panel product reads each weight once for
@@ -27,25 +28,78 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 
-from cache.ledger import Outcome
-from runner.stream import Slot, Stream
+from runner import device
+from runner.stream import Row
 
 log = logging.getLogger("mtp_runner.batch")
 
 Emit = Callable[[object], None]
 
 
+class ScheduledStream(Protocol):
+    """What the scheduler needs of a stream (``runner.stream.Stream``; the model-free engine's
+    streams implement the part a lone stream uses)."""
+
+    slot: Any
+    finished: bool
+
+    @property
+    def prefilling(self) -> bool: ...
+
+    @property
+    def speculates(self) -> bool: ...
+
+    def cancel_if_asked(self) -> bool: ...
+
+    def prefill(self, budget_s: float | None = None) -> bool: ...
+
+    def step(self) -> bool: ...
+
+    def alone_again(self) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+
+class ServedEngine(Protocol):
+    """The engine the server, the scheduler and its streams use (``runner.engine.Engine``,
+    ``runner.noop_engine.NoopEngine``)."""
+
+    info: Any  # model, context_length, vocab_size, mtp, mtp_detail, blas
+    slots: Sequence[Any]  # one per completion decoded at once
+    model: Any  # hidden_rows and unembed for shared forwards (several slots only)
+
+    def precheck(self, request) -> None: ...
+
+    def prepare(self, request) -> Any: ...
+
+    def tokenize_request(self, request) -> list[int]: ...
+
+    def detokenize(self, tokens: list[int]) -> str: ...
+
+    def status(self) -> dict: ...
+
+    def open_stream(
+        self,
+        req: Any,
+        emit: Emit,
+        cancelled: Callable[[], bool],
+        slot: Any,
+        on_close: Callable[[Any], None],
+    ) -> ScheduledStream: ...
+
+
 class Scheduler:
     """The active streams of one engine and the step that advances them."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: ServedEngine) -> None:
         self.engine = engine
-        self.streams: list[Stream] = []  # in admission order
-        self.free: list[Slot] = list(engine.slots)
+        self.streams: list = []  # in admission order
+        self.free: list = list(engine.slots)
         self.shared_s = 0.0  # how long the last shared forward took, the prefill's budget
         self._was_shared = False
         self.shared_steps = 0
@@ -58,25 +112,32 @@ class Scheduler:
     def active(self) -> bool:
         return bool(self.streams)
 
-    def admit(self, req, emit: Emit, cancelled: Callable[[], bool]) -> Stream:
+    def admit(self, req, emit: Emit, cancelled: Callable[[], bool]) -> ScheduledStream:
         """Start ``req`` on a free slot (raises when none is free, or when the prefix cache
         fails it: the slot is then free again)."""
         if not self.free:
             raise RuntimeError("no free cache slot")
         slot = self.free.pop(0)
         try:
-            stream = self.engine.open_stream(req, emit, cancelled, slot)
+            stream = self.engine.open_stream(req, emit, cancelled, slot, self._closing)
         except Exception:
             self.free.insert(0, slot)
             raise
         self.streams.append(stream)
         return stream
 
-    def step(self) -> list[Stream]:
+    def run(self, req, emit: Emit, cancelled: Callable[[], bool]) -> None:
+        """Serve one completion to its done frame (nothing else admitted meanwhile)."""
+        self.admit(req, emit, cancelled)
+        while self.active:
+            self.step()
+
+    def step(self) -> list:
         """Advance the active streams once; returns those that finished (done frame sent)."""
-        for s in self.streams:  # prompts still waiting for their turn see their cancels
-            if s.prefilling:
-                self._guard(s, s.cancel_if_asked)
+        # Prompts waiting for their turn see their cancels; the oldest prefills this step and
+        # polls for one itself.
+        for s in [s for s in self.streams if s.prefilling][1:]:
+            self._guard(s, s.cancel_if_asked)
         decoding = [s for s in self.streams if not s.prefilling and not s.finished]
         waiting = [s for s in self.streams if s.prefilling]
         if not decoding:
@@ -84,31 +145,15 @@ class Scheduler:
                 self._guard(waiting[0], lambda: waiting[0].prefill(budget_s=float("inf")))
         elif len(decoding) == 1 and not waiting:
             stream = decoding[0]
-            if self._was_shared and stream.speculates:
-                # The round clock saw shared forwards: not a round's cost.
-                self.engine.speculation.depth.begin_request()
+            if self._was_shared:
+                stream.alone_again()
             self._was_shared = False
             self._guard(stream, stream.step)
         else:
-            start = time.perf_counter()
-            self._shared_step(decoding)
-            if waiting:
-                # Wait for the forward here, so that its time is the prefill's budget and the
-                # prefill's own clock starts on an idle stream.
-                live = [s for s in decoding if s.decoding and not s.finished]
-                try:
-                    mx.eval([s.decoding.cur.token for s in live])
-                except Exception as exc:  # the shared forward failed: the streams in it end
-                    for s in live:
-                        s.fail(exc)
-            self.shared_s = time.perf_counter() - start
-            self._was_shared = True
-            self.shared_steps += 1
-            if waiting:
-                self._guard(waiting[0], lambda: waiting[0].prefill(budget_s=self.shared_s))
+            self._shared_step(decoding, waiting)
         return self._collect()
 
-    def fail_all(self, exc: BaseException) -> list[Stream]:
+    def fail_all(self, exc: BaseException) -> list:
         """A failure outside every stream's own guard: every active stream ends with it (its
         error and done frames, its slot reset); the scheduler is empty after."""
         for s in self.streams:
@@ -120,7 +165,13 @@ class Scheduler:
                     s.finished = True
         return self._collect()
 
-    def _collect(self) -> list[Stream]:
+    def _closing(self, stream) -> None:
+        """Before a stream's done frame: with nothing else running, return freed buffers to
+        the system so a long-lived runner stays flat in memory."""
+        if all(s.finished or s is stream for s in self.streams):
+            device.release_memory()
+
+    def _collect(self) -> list:
         done = [s for s in self.streams if s.finished]
         for stream in done:
             self.streams.remove(stream)
@@ -129,99 +180,72 @@ class Scheduler:
         return done
 
     @staticmethod
-    def _guard(stream: Stream, work: Callable[[], object]) -> None:
+    def _guard(stream, work: Callable[[], object]) -> None:
         try:
             work()
         except Exception as exc:  # one request's failure never takes the runner down
             stream.fail(exc)
 
     # ------------------------------------------------------------------ the shared forward
-    def _shared_step(self, streams: list[Stream]) -> None:
+    def _shared_step(self, decoding: list, waiting: list) -> None:
+        """One shared forward, then the oldest waiting prompt prefills a few layers of its
+        chunk for about as long as that forward took."""
+        start = time.perf_counter()
+        self._shared_forward(decoding)
+        if waiting:
+            # Wait for the forward here, so that its time is the prefill's budget and the
+            # prefill's own clock starts on an idle stream.
+            live = [s for s in decoding if s.in_flight() is not None]
+            try:
+                mx.eval([s.in_flight() for s in live])
+            except Exception as exc:  # the shared forward failed: the streams in it end
+                for s in live:
+                    s.fail(exc)
+        self.shared_s = time.perf_counter() - start
+        self._was_shared = True
+        self.shared_steps += 1
+        if waiting:
+            self._guard(waiting[0], lambda: waiting[0].prefill(budget_s=self.shared_s))
+
+    def _shared_forward(self, streams: list) -> None:
         """Each stream's current token is emitted (it was computed by the previous forward),
-        then one forward feeds every stream that goes on its token (its seed, for a stream
-        whose prompt just went in). Emitting before the feed, not while the forward runs as
-        a lone stream's pipelined step does, sends each token a step earlier and leaves
-        nothing to unfeed when a token ends its stream; the host work it puts ahead of the
-        forward is small next to a forward over several rows."""
-        rows: list[tuple[Stream, mx.array, int, bool]] = []
+        then one forward feeds every stream that goes on its token (its last prompt token,
+        for a stream whose prompt just went in). Emitting before the feed, not while the
+        forward runs as a lone stream's pipelined step does, sends each token a step earlier
+        and leaves nothing to unfeed when a token ends its stream; the host work it puts
+        ahead of the forward is small next to a forward over several rows."""
+        rows: list[tuple[Any, Row]] = []
         for s in streams:
             try:
-                if s.seed is not None:
-                    seed = mx.array([s.seed], dtype=mx.int32)
-                    rows.append((s, *s.decoder.row_feed(seed, append=False), True))
-                    continue
-                token = self._emit_current(s)
-                if token is not None:
-                    fed = mx.array([token], dtype=mx.int32)
-                    rows.append((s, *s.decoder.row_feed(fed, append=True), False))
+                row = s.row()
+                if row is not None:
+                    rows.append((s, row))
             except Exception as exc:
                 s.fail(exc)
         samples = self._forward(rows)
-        for (s, _, _, seeded), sampled in zip(rows, samples, strict=True):
-            if sampled is None:
-                continue
-            try:
-                if seeded:
-                    s.started(sampled)
-                    continue
-                s.ledger.commit([s.decoding.cur_token])
-                s.decoder.commit(sampled)
-                s.decoding.cur = sampled
-            except Exception as exc:
-                s.fail(exc)
+        for (s, row), sampled in zip(rows, samples, strict=True):
+            if sampled is not None:
+                self._guard(s, lambda s=s, row=row, sampled=sampled: s.take(row, sampled))
 
-    @staticmethod
-    def _emit_current(s: Stream) -> int | None:
-        """Emit ``s``'s current token as a plain step would; the token to feed when the stream
-        goes on (None: it ended, or fed its own forward for forced close markers)."""
-        decoding, loop = s.decoding, s.loop
-        outcome = decoding.cancel_check()
-        if outcome is not None:
-            s.end(outcome)
-            return None
-        last = loop.is_last()
-        cur = decoding.cur
-        token = loop.read(cur)
-        step = loop.emitter.push(token, loop.logprob_entry(cur))
-        loop.ledger.emit(token, step.forced, counted=step.keep)
-        if not step.keep:  # EOS: emitted, never fed
-            s.end(decoding.ended(Outcome(step.reason or "stop", loop.fed, token)))
-        elif last or step.finished:  # the budget, the context or a stop string: not fed
-            reason = step.reason or ("length" if last else "stop")
-            s.end(decoding.ended(Outcome(reason, loop.fed, token)))
-        elif step.forced:
-            # A close marker follows the token: the stream feeds both in forwards of its own,
-            # one after the other, as a plain step does.
-            loop.ledger.commit([token])
-            s.decoder.commit(s.decoder.feed_forced([token]))
-            nxt = s.decoder.feed_forced(step.forced)
-            loop.ledger.commit(step.forced)
-            s.decoder.commit(nxt)
-            decoding.cur = nxt
-        else:
-            decoding.cur_token = token
-            return token
-        return None
-
-    def _forward(self, rows: list[tuple[Stream, mx.array, int, bool]]) -> list:
+    def _forward(self, rows: list[tuple[Any, Row]]) -> list:
         """The shared forward and each row's sample (lazy, dispatched); None for a row whose
         sample failed. A failure of the forward itself fails every row in it."""
         if not rows:
             return []
         model = self.engine.model
         try:
-            tokens = mx.concatenate([t for _, t, _, _ in rows])
-            hidden = model.hidden_rows(tokens, [s.slot.caches for s, _, _, _ in rows])
+            tokens = mx.concatenate([row.tokens for _, row in rows])
+            hidden = model.hidden_rows(tokens, [s.slot.caches for s, _ in rows])
             logits = model.unembed(hidden)
-            mx.async_eval(hidden, logits, [s.decoder.cache_state() for s, _, _, _ in rows])
+            mx.async_eval(hidden, logits, [s.cache_state() for s, _ in rows])
         except Exception as exc:
-            for s, _, _, _ in rows:
+            for s, _ in rows:
                 s.fail(exc)
             return [None] * len(rows)
         samples, pending = [], []
-        for i, (s, t, position, _) in enumerate(rows):
+        for i, (s, row) in enumerate(rows):
             try:
-                sampled = s.decoder.row_sample(t, hidden[i : i + 1], logits[i], position)
+                sampled = s.sample(row, hidden[i : i + 1], logits[i])
                 pending += [sampled.token, *(sampled.logprobs or ())]
                 samples.append(sampled)
             except Exception as exc:
@@ -230,7 +254,7 @@ class Scheduler:
         try:
             mx.async_eval(pending)
         except Exception as exc:
-            for (s, _, _, _), sampled in zip(rows, samples, strict=True):
+            for (s, _), sampled in zip(rows, samples, strict=True):
                 if sampled is not None:
                     s.fail(exc)
             return [None] * len(rows)

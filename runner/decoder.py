@@ -252,17 +252,19 @@ class PlainLoop:
         remaining = self.ledger.remaining()
         return (remaining is not None and remaining <= 1) or self.context_full()
 
-    def emit(self, cur: Sampled) -> tuple[int, Verdict]:
-        """Read ``cur``, hand it to the emitter and judge it (``Ledger.judge``)."""
+    def emit(self, cur: Sampled, context_full: bool) -> tuple[int, Verdict]:
+        """Read ``cur``, hand it to the emitter and judge it (``Ledger.judge``);
+        ``context_full`` as ``context_full()`` said before ``cur``'s forward was dispatched."""
         token = self.read(cur)
         step = self.emitter.push(token, self.logprob_entry(cur))
-        return token, self.ledger.judge(token, step, context_full=self.context_full())
+        return token, self.ledger.judge(token, step, context_full=context_full)
 
     def step(self, cur: Sampled) -> LoopStep:
         """Emit ``cur``, dispatching the forward that feeds it first unless it is the last."""
         dec, ledger = self.dec, self.ledger
+        context_full = self.context_full()
         nxt = None if self.is_last() else dec.advance(cur)
-        token, verdict = self.emit(cur)
+        token, verdict = self.emit(cur, context_full)
         if not verdict.fed or nxt is None:  # an EOS (its forward undone), or the last token
             if nxt is not None:
                 dec.unfeed(nxt)

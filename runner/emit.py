@@ -21,7 +21,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from protocol import frames as pf
+
 if TYPE_CHECKING:
+    from drafting.logprobs import LogprobEntry
     from runner.tokenizer import Tokenizer
 
 OPEN_MARKER = "<think>"
@@ -329,3 +332,20 @@ class Emitter:
         ids = [p.token for p in shown]
         logprobs = [p.logprob for p in shown]
         self._send(content, ids, logprobs if any(lp is not None for lp in logprobs) else None)
+
+
+def logprob_frame(tokenizer: Tokenizer, entry: LogprobEntry) -> pf.TokenLogprob:
+    """One token's logprob entry for a frame, with each token's text and UTF-8 bytes (a byte
+    piece's text alone is U+FFFD; its bytes let a host rebuild the text)."""
+    token_bytes = tokenizer.token_bytes
+    piece = tokenizer.piece
+    return pf.TokenLogprob(
+        token=piece(entry.token),
+        id=entry.token,
+        logprob=entry.logprob,
+        bytes=list(token_bytes(entry.token)),
+        top_logprobs=[
+            pf.TopLogprob(token=piece(i), id=i, logprob=lp, bytes=list(token_bytes(i)))
+            for i, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)
+        ],
+    )

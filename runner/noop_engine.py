@@ -3,6 +3,10 @@
 Tokens are the UTF-8 bytes of the text (vocabulary 256). A completion replays its prompt's
 tokens cyclically, one token frame each, until `num_predict` (default 16; -1: until
 cancelled), so the server, the pipes and the host can be measured without any model cost.
+
+It serves through the same scheduler as the real engine (one cache slot): its streams have
+no prefill and no forwards to interleave, so a stream's one step runs the whole completion
+(``run``), checking for a cancel before every token.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 
 from protocol import Completion, Done, Token
 from protocol.codes import BAD_REQUEST, CONTEXT_OVERFLOW
-from protocol.errors import CodedError
+from protocol.errors import CodedError, error_frame
 
 VOCAB_SIZE = 256
 CONTEXT_LENGTH = 4096
@@ -37,10 +41,52 @@ class NoopPrepared:
     limit: int  # tokens to generate; -1: until cancelled
 
 
+@dataclass
+class NoopSlot:
+    index: int = 0
+
+
+class NoopStream:
+    """One completion on the model-free engine, as the scheduler sees a stream."""
+
+    prefilling = False
+    speculates = False
+
+    def __init__(self, engine: NoopEngine, req: NoopPrepared, emit, cancelled, slot) -> None:
+        self.engine, self.req, self.emit, self.cancelled = engine, req, emit, cancelled
+        self.slot = slot
+        self.finished = False
+
+    def cancel_if_asked(self) -> bool:
+        return False
+
+    def prefill(self, budget_s: float | None = None) -> bool:
+        return True
+
+    def alone_again(self) -> None:
+        pass
+
+    def step(self) -> bool:
+        self.finished = True  # whatever run does: the server checks that a done went out
+        self.engine.run(self.req, self.emit, self.cancelled)
+        return True
+
+    def fail(self, exc: BaseException) -> None:
+        self.finished = True
+        self.emit(error_frame(self.req.id, exc))
+        self.emit(Done(self.req.id, "error"))
+
+
 class NoopEngine:
+    model = None  # no shared forwards: one slot
+
     def __init__(self, delay_s: float = 0.0) -> None:
         self.info = NoopInfo()
         self.delay_s = delay_s  # per token, so cancel tests need not flood the pipe
+        self.slots = [NoopSlot()]
+
+    def open_stream(self, req, emit, cancelled, slot, on_close=None) -> NoopStream:
+        return NoopStream(self, req, emit, cancelled, slot)
 
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

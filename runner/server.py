@@ -3,8 +3,8 @@ thread, stdout writer.
 
 Threads and their jobs:
 - the main thread is the inference thread: it builds the engine (every MLX call, loading
-  included, happens on it), sends `ready`, then runs queued completions one at a time in
-  arrival order;
+  included, happens on it), sends `ready`, then admits queued completions in arrival order
+  to the scheduler (``runner.batch``) and steps it: one loop, whatever ``--parallel`` is;
 - the reader thread reads stdin in bounded chunks, decodes each line and answers control lines
   at once (cancel, status, shutdown), so they never wait behind a long prompt; a completion is
   checked (id, queue room, a prompt whose byte length alone proves it cannot fit) and handed on;
@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgspec
 
@@ -59,6 +59,9 @@ from protocol import (
     TokensFrame,
 )
 from protocol.errors import CodedError, error_frame
+
+if TYPE_CHECKING:
+    from runner.batch import Scheduler, ServedEngine
 
 log = logging.getLogger("mtp_runner.server")
 
@@ -165,7 +168,7 @@ class Server:
         self.queue_limit = queue_limit
         self.max_line_bytes = max_line_bytes
         self.fault_id = fault_id
-        self.engine: Any = None
+        self.engine: ServedEngine | None = None
         # Re-entrant: cancel_all writes while holding it, and a broken pipe found by that write
         # calls cancel_all again on the same thread.
         self._lock = threading.RLock()
@@ -298,40 +301,12 @@ class Server:
         threading.Thread(target=self._prepare_loop, daemon=True, name="prepare").start()
         reader = threading.Thread(target=self.read_loop, args=(read,), daemon=True, name="reader")
         reader.start()
-        if getattr(self.engine, "parallel", 1) > 1:
-            from runner.batch import Scheduler
+        from runner.batch import Scheduler  # MLX is imported on this thread, after loading
 
-            self._batch_loop(Scheduler(self.engine))
-            return
-        while (job := self._next_job()) is not None:
-            self._run_job(job)
+        self._inference_loop(Scheduler(self.engine))
 
     def _progress(self, stage: str, done: int, total: int) -> None:
         self.writer.write(Progress(stage, int(done), int(total)))
-
-    def _next_job(self) -> Job | None:
-        with self._lock:
-            while not self._queue:
-                if self._closing and not any(isinstance(j, Job) for j in self._preparing):
-                    return None
-                self._wakeup.wait()
-            job = self._queue.popleft()
-            self._active = [job]
-            return job
-
-    def _run_job(self, job: Job) -> None:
-        request_id = job.request.id
-        try:
-            self.engine.run(job.prepared, lambda frame: self._emit(job, frame), job.cancel.is_set)
-            if not job.finished:
-                raise RuntimeError("the engine returned without a done frame")
-        except Exception as exc:  # generation failures are frames; the runner keeps serving
-            log.error("completion %s failed: %s", request_id, exc, exc_info=True)
-            if not job.finished:
-                self._emit(job, error_frame(request_id, exc))
-                self._emit(job, Done(request_id, "error"))
-        finally:
-            self._retire(job)
 
     def _retire(self, job: Job) -> None:
         with self._lock:
@@ -340,10 +315,10 @@ class Server:
             if self._jobs.get(job.request.id) is job:
                 del self._jobs[job.request.id]
 
-    def _batch_loop(self, scheduler) -> None:
-        """Up to ``engine.parallel`` completions at once (``runner.batch``): queued jobs are
-        admitted in arrival order while a cache slot is free, and every pass advances all
-        the active ones by one step."""
+    def _inference_loop(self, scheduler: Scheduler) -> None:
+        """The one inference loop: queued jobs are admitted in arrival order while a cache
+        slot is free (``--parallel``; one slot: one completion at a time), and every pass
+        advances all the active ones by one step (``runner.batch``)."""
         jobs: dict[int, Job] = {}
         while True:
             with self._lock:

@@ -3,10 +3,11 @@
 A ``Stream`` owns what a request owns: its cache slot's session on the prefix cache, its
 speculation session (the draft session on the slot's draft cache), sampler, emitter, ledger
 and decode loop. Its life has two phases: *prefill* (``prefill``: the prompt in chunks, all at
-once or a few layers at a time between other requests' decode steps) and *decode*: steps of
-its own (``step``: a plain step or a speculative round) or rows of a forward shared with other
-streams (``runner.batch``). ``finish`` closes every session on every exit path and sends the
-one done frame.
+once or a few layers at a time between other requests' decode steps, ``runner.prefill``) and
+*decode*: steps of its own (``step``: a plain step or a drafter's round, ``DecodeLoop``) or
+rows of a forward shared with other streams (``row`` before it, ``sample`` and ``take`` after
+it; ``runner.batch``). ``finish`` closes every session on every exit path and sends the one
+done frame.
 
 Prefill chunks end at the same offsets however they are interleaved, and a shared forward's
 rows compute what a forward of their own computes (``Model.hidden_rows``), so a stream's
@@ -15,10 +16,9 @@ output does not depend on what else runs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -26,22 +26,15 @@ import mlx.core as mx
 from cache.ledger import Ledger, Outcome
 from cache.session import CacheSession
 from drafting.logprobs import LogprobEntry, LogprobRows
-from drafting.speculation import Decoding, SpeculationSession
+from drafting.speculation import SpeculationSession
 from drafting.stats import SpecStats
 from protocol import frames as pf
 from protocol.errors import CodedError, error_frame
-from runner import blas
-from runner.decoder import (
-    THREADS,
-    Cancelled,
-    ConstrainedDecoder,
-    PlainDecoder,
-    PlainLoop,
-    Sampled,
-    chunk_ends,
-    prefill,
-)
-from runner.emit import Emitter
+from runner.cache_slot import CacheSlot
+from runner.decoder import ConstrainedDecoder, DecodeLoop, PlainDecoder, PlainLoop, Sampled
+from runner.emit import Emitter, logprob_frame
+from runner.prefill import Cancelled, ChunkedPrefill
+from runner.prepare import Prepared
 from runner.sampler import Sampler
 
 log = logging.getLogger("mtp_runner.stream")
@@ -50,39 +43,42 @@ Emit = Callable[[object], None]
 
 
 @dataclass
-class Slot:
-    """One set of caches a stream decodes into: the target's layers, then the draft cache
-    (when the model has a head); ``index`` names it to the prefix cache."""
+class Row:
+    """A stream's row of a shared forward: ``tokens`` fed at ``position``; ``token`` the
+    emitted token it feeds, None when it feeds the last prompt token."""
 
-    index: int
-    caches: list
-    draft: object | None = None
-
-    @property
-    def all(self) -> list:
-        return [*self.caches] + ([self.draft] if self.draft is not None else [])
+    tokens: mx.array
+    position: int
+    token: int | None
 
 
 class Stream:
-    """A request's state between scheduler steps; see the module docstring."""
+    """A request's state between scheduler steps; see the module docstring. ``on_close`` runs
+    once, right before the done frame."""
 
-    def __init__(self, engine, req, emit: Emit, cancelled: Callable[[], bool], slot: Slot):
+    def __init__(
+        self,
+        engine,
+        req: Prepared,
+        emit: Emit,
+        cancelled: Callable[[], bool],
+        slot: CacheSlot,
+        on_close: Callable[[Stream], None] = lambda stream: None,
+    ) -> None:
         self.engine = engine
         self.req = req
         self.emit = emit
         self.cancelled = cancelled
         self.slot = slot
+        self.on_close = on_close
         self.start_ns = time.perf_counter_ns()
         self.first_token_ns: int | None = None
         self.ledger = Ledger()
         self.outcome = Outcome("error")
         self.finished = False
-        self.decoding: Decoding | None = None
-        self.seed: int | None = None  # the last prompt token, until it is fed
-        self.loop: PlainLoop | None = None
-        self._layers: Iterator | None = None  # the chunk being prefilled layer by layer
-        self._streams: list[mx.array] = []  # its fused-head streams so far
-        self.session: CacheSession | None = engine.prefix.begin(req.prompt, slot.index)
+        self.decode: DecodeLoop | None = None
+        self.plain: PlainLoop | None = None
+        self.session: CacheSession | None = slot.begin(req.prompt)
         self.cached = self.session.cached
         self.spec: SpeculationSession | None = None
         if engine.speculation is not None:
@@ -94,7 +90,7 @@ class Stream:
             max_tokens=req.max_tokens,
             think_budget=req.think_budget,
             send=self._send,
-            prompt_open_think=engine._opens_think(req.prompt),
+            prompt_open_think=req.opens_think,
         )
         # A zero think budget on a span the prompt opened closes it before the first token:
         # the close marker is fed after the prompt, as if the prompt had ended with it.
@@ -104,126 +100,54 @@ class Stream:
             req.constraint.activate()  # the span closed before the first token
         self.sequence = [*req.prompt, *forced]
         feed = [*self.session.remaining, *forced]
-        self.pending = feed[:-1]  # prompt tokens still to prefill
-        self.position = self.session.cached
-        self.last_prompt = feed[-1]
-        self._ends = chunk_ends(self.position, self.position + len(self.pending), engine.chunk)
+        self.unfed_prompt: int | None = None  # the last prompt token, until it is fed
+        self._last_prompt = feed[-1]
+        on_commit = self.spec.on_commit if self.spec is not None else None
+        self.prefilling_work = ChunkedPrefill(
+            engine.model,
+            slot.caches,
+            feed[:-1],
+            self.session.cached,
+            chunk=engine.chunk,
+            cancelled=cancelled,
+            on_commit=on_commit,
+        )
 
-    # ------------------------------------------------------------------ phases
+    # ------------------------------------------------------------------ prefill
     @property
     def prefilling(self) -> bool:
-        return self.loop is None and not self.finished
+        return self.plain is None and not self.finished
 
     @property
     def speculates(self) -> bool:
-        return self.decoding is not None and self.decoding.driver is not None
+        return self.decode is not None and self.decode.drafter is not None
 
     def prefill(self, budget_s: float | None = None) -> bool:
-        """Prefill some of the prompt: all of it (``budget_s`` None), one chunk (``inf``),
-        else layers of the current chunk until about ``budget_s`` seconds went by (at least
-        one layer). True once the prompt is in (the stream then decodes). A cancel ends the
-        stream."""
+        """Prefill some of the prompt (``ChunkedPrefill.run``: all of it, one chunk, or
+        layers within ``budget_s``). True once the prompt is in (the stream then decodes).
+        A cancel ends the stream."""
         try:
-            if budget_s is None:
-                self._prefill_all()
-            elif budget_s == float("inf"):  # one whole chunk
-                self._prefill_all(one_chunk=True)
-            else:
-                self._prefill_layers(budget_s)
+            done = self.prefilling_work.run(budget_s)
         except Cancelled:
             self._cancelled_in_prefill()
             return False
-        if self.pending:
-            return False
-        self._start_decoding()
-        return True
+        if done:
+            self._start_decoding()
+        return done
 
     def cancel_if_asked(self) -> bool:
         """A prompt waiting for its turn: end it now if it was cancelled (True)."""
         if self.finished or not self.prefilling or not self.cancelled():
             return False
-        if self._layers is not None:
-            self._rewind_chunk()
+        self.prefilling_work.rewind()
         self._cancelled_in_prefill()
         return True
-
-    def _prefill_all(self, one_chunk: bool = False) -> None:
-        if self._layers is not None:  # a chunk begun layer by layer: finish it first
-            self._prefill_layers(float("inf"), whole_chunk=True)
-            if one_chunk:
-                return
-        if self.pending:
-            on_commit = self.spec.on_commit if self.spec is not None else None
-            engine = self.engine
-            end = next(e for e in self._ends if e > self.position) if one_chunk else None
-            tokens = self.pending if end is None else self.pending[: end - self.position]
-            prefill(
-                engine.model,
-                self.slot.caches,
-                tokens,
-                self.position,
-                chunk=engine.chunk,
-                cancelled=self.cancelled,
-                on_commit=on_commit,
-            )
-            self.position += len(tokens)
-            self.pending = self.pending[len(tokens) :]
-
-    def _prefill_layers(self, budget_s: float, whole_chunk: bool = False) -> None:
-        """Layers of the next chunk, evaluated one by one until the budget is spent; a chunk
-        ends at the offset a whole-chunk prefill would end it (``chunk_ends``)."""
-        model, caches = self.engine.model, self.slot.caches
-        start = time.perf_counter()
-        while self.pending:
-            if self._layers is None:
-                if self.cancelled():
-                    raise Cancelled(self.position)
-                end = next(e for e in self._ends if e > self.position)
-                self._chunk = mx.array(self.pending[: end - self.position], dtype=mx.int32)
-                self._layers = model.layer_outputs(self._chunk[None], caches)
-                self._x, self._streams = None, []
-            with blas.wide() if THREADS.wide else contextlib.nullcontext():
-                for index, x in self._layers:
-                    mark = time.perf_counter()
-                    mx.eval(x, caches[index].state)
-                    self._x = x
-                    if index in model.draft_stream_layers:  # a fused head's stream
-                        self._streams.append(x)
-                    if self.cancelled():
-                        self._rewind_chunk()
-                        raise Cancelled(self.position)
-                    # Stop before a layer that would overrun the budget (at least one ran).
-                    now = time.perf_counter()
-                    if not whole_chunk and now + (now - mark) - start > budget_s:
-                        return
-            self._commit_chunk()
-            if whole_chunk or time.perf_counter() - start >= budget_s:
-                return
-
-    def _commit_chunk(self) -> None:
-        model, ids = self.engine.model, self._chunk
-        hidden = model.draft_rows(self._x, self._streams)
-        mx.eval(hidden)
-        if self.spec is not None:
-            self.spec.on_commit(ids, hidden[0], self.position)
-        self.position += ids.shape[0]
-        self.pending = self.pending[ids.shape[0] :]
-        self._layers = self._chunk = self._x = None
-        self._streams = []
-
-    def _rewind_chunk(self) -> None:
-        for c in self.slot.caches:  # the layers evaluated so far appended this chunk
-            if c.offset > self.position:
-                c.rewind(self.position)
-        self._layers = self._chunk = self._x = None
 
     def _cancelled_in_prefill(self) -> None:
         # Keep what prefill finished; level the draft cache with the next token.
         offset = self.slot.caches[0].offset
         fed = self.sequence[len(self.req.prompt) : offset]
-        outcome = Outcome("cancelled", fed=fed, final=self.sequence[offset])
-        self.emitter.finish()
-        self.finish(self.spec.finish(outcome) if self.spec is not None else outcome)
+        self.end(Outcome("cancelled", fed=fed, final=self.sequence[offset]))
 
     def _start_decoding(self) -> None:
         req, engine = self.req, self.engine
@@ -246,7 +170,7 @@ class Stream:
             on_commit=on_commit,
             **extra,
         )
-        self.loop = PlainLoop(
+        self.plain = PlainLoop(
             self.decoder,
             self.emitter,
             self.ledger,
@@ -255,44 +179,105 @@ class Stream:
             logprob_entry=self._logprob_entry,
             on_first_token=self._first_token,
         )
-        self.seed = self.last_prompt
+        self.unfed_prompt = self._last_prompt
 
-    def started(self, cur: Sampled) -> None:
-        """The seed was fed (by a forward of its own or a shared one): ``cur`` is the first
-        in-flight sample."""
-        self.seed = None
+    def _started(self, cur: Sampled) -> None:
+        """The last prompt token was fed (by a forward of its own or a shared one): ``cur`` is
+        the first in-flight sample."""
+        self.unfed_prompt = None
         self.decoder.commit(cur)
-        if self.spec is None:
-            self.decoding = Decoding(self.loop, cur, self.cancelled)
-            return
-        self.decoding = self.spec.decoding(
-            self.loop,
-            cur,
-            self.cancelled,
-            model=self.engine.model,
-            caches=self.slot.caches,
-            sampler=self.sampler,
-            emit=self._push,
-            budget=self.req.max_tokens,
-            speculate=self.req.speculative,
-            logprobs=self.rows,
-            constraint=self.req.constraint,
-        )
+        drafter = None
+        if self.spec is not None:
+            drafter = self.spec.drafter(
+                self.ledger,
+                self.cancelled,
+                model=self.engine.model,
+                caches=self.slot.caches,
+                sampler=self.sampler,
+                emit=self._push,
+                speculate=self.req.speculative,
+                logprobs=self.rows,
+                constraint=self.req.constraint,
+            )
+        self.decode = DecodeLoop(self.plain, cur, self.cancelled, drafter, self.rows)
 
+    # ------------------------------------------------------------------ decode alone
     def step(self) -> bool:
-        """One step of its own (the first feeds the seed); True once the stream finished."""
-        if self.seed is not None:
-            self.started(self.decoder.start(self.seed))
+        """One step of its own (the first feeds the last prompt token); True once the stream
+        finished."""
+        if self.unfed_prompt is not None:
+            self._started(self.decoder.start(self.unfed_prompt))
             return False
-        outcome = self.decoding.step()
+        outcome = self.decode.step()
         if outcome is not None:
             self.end(outcome)
             return True
         return False
 
-    def end(self, outcome: Outcome) -> None:
-        self.emitter.finish()
-        self.finish(outcome)
+    def alone_again(self) -> None:
+        """The stream decodes alone after shared forwards: the depth controller's round clock
+        saw shared forwards, which are not a round's cost."""
+        if self.speculates:
+            self.spec.owner.depth.begin_request()
+
+    # ------------------------------------------------------------------ rows of a shared forward
+    def row(self) -> Row | None:
+        """Before a shared forward: the current token is emitted (the previous forward
+        computed it) and the row that feeds it, or the last prompt token, is recorded as fed.
+        None when the stream ended, or fed forced close markers in forwards of its own."""
+        if self.unfed_prompt is not None:
+            last = mx.array([self.unfed_prompt], dtype=mx.int32)
+            return Row(*self.decoder.row_feed(last, append=False), token=None)
+        token = self._emit_current()
+        if token is None:
+            return None
+        fed = mx.array([token], dtype=mx.int32)
+        return Row(*self.decoder.row_feed(fed, append=True), token=token)
+
+    def sample(self, row: Row, hidden: mx.array, logits: mx.array) -> Sampled:
+        """The sample after ``row`` from its rows of the shared forward (lazy)."""
+        return self.decoder.row_sample(row.tokens, hidden, logits, row.position)
+
+    def take(self, row: Row, sampled: Sampled) -> None:
+        """After the shared forward: ``row`` stays in the caches, ``sampled`` is current."""
+        if row.token is None:
+            self._started(sampled)
+            return
+        self.ledger.commit([row.token])
+        self.decoder.commit(sampled)
+        self.decode.cur = sampled
+
+    def in_flight(self) -> mx.array | None:
+        """The current token while it is being computed, for a scheduler that waits for it."""
+        if self.finished or self.decode is None:
+            return None
+        return self.decode.cur.token
+
+    def cache_state(self) -> list:
+        return self.decoder.cache_state()
+
+    def _emit_current(self) -> int | None:
+        """Emit the current token as a plain step would; the token to feed when the stream
+        goes on (None: it ended, or fed its own forwards for forced close markers)."""
+        outcome = self.decode.cancel_check()
+        if outcome is not None:
+            self.end(outcome)
+            return None
+        token, verdict = self.plain.emit(self.decode.cur, self.plain.context_full())
+        if not verdict.fed or verdict.end is not None:  # EOS, the budget, the context, a stop
+            self.end(Outcome(verdict.end, self.plain.fed, token))
+            return None
+        if verdict.forced:
+            # A close marker follows the token: the stream feeds both in forwards of its own,
+            # one after the other, as a plain step does.
+            self.ledger.commit([token])
+            self.decoder.commit(self.decoder.feed_forced([token]))
+            nxt = self.decoder.feed_forced(verdict.forced)
+            self.ledger.commit(verdict.forced)
+            self.decoder.commit(nxt)
+            self.decode.cur = nxt
+            return None
+        return token
 
     # ------------------------------------------------------------------ frames
     def _send(self, content: str, ids: list[int], logprobs: list | None) -> None:
@@ -301,28 +286,35 @@ class Stream:
     def _first_token(self) -> None:
         self.first_token_ns = time.perf_counter_ns()
 
-    def _slot_of_emitted(self) -> int:
+    def _position_of_emitted(self) -> int:
         return len(self.req.prompt) + len(self.ledger.emitted)
 
     def _logprob_entry(self, sampled: Sampled) -> pf.TokenLogprob | None:
         """A plain step's entry: its own row, or the round's row it resumed from."""
         if self.rows is None:
             return None
-        frame = self.engine._logprob_frame
+        tokenizer = self.engine.tokenizer
         token = int(sampled.token.item())
         if sampled.logprobs is None:
-            return frame(self.rows.take(self._slot_of_emitted(), token))
+            return logprob_frame(tokenizer, self.rows.take(self._position_of_emitted(), token))
         chosen, top_ids, top_lps = sampled.logprobs
-        return frame(LogprobEntry(token, float(chosen.item()), top_ids.tolist(), top_lps.tolist()))
+        entry = LogprobEntry(token, float(chosen.item()), top_ids.tolist(), top_lps.tolist())
+        return logprob_frame(tokenizer, entry)
 
     def _push(self, token: int):
         """The round driver's emission: the entry from the verify row that decided it."""
         entry = None
         if self.rows is not None:
-            entry = self.engine._logprob_frame(self.rows.take(self._slot_of_emitted(), token))
+            taken = self.rows.take(self._position_of_emitted(), token)
+            entry = logprob_frame(self.engine.tokenizer, taken)
         return self.emitter.push(token, entry)
 
     # ------------------------------------------------------------------ the end
+    def end(self, outcome: Outcome) -> None:
+        """Generation ended with ``outcome``: held text goes out, then ``finish``."""
+        self.emitter.finish()
+        self.finish(outcome)
+
     def fail(self, exc: BaseException) -> None:
         """Generation failed: an error frame, the slot's caches and the prefix cache reset
         (they cannot be trusted after a failure mid-forward), then the done frame."""
@@ -334,11 +326,12 @@ class Stream:
             self.spec.draft.discard()
             self.spec = None
         self.session = None
-        self.engine._invalidate_caches(self.slot)
+        self.slot.invalidate()
         self.finish(Outcome("error"))
 
     def finish(self, outcome: Outcome) -> None:
-        """Close the sessions and send the done frame (once)."""
+        """Close the sessions and send the done frame (once). The speculation session settles
+        the last pair with ``outcome.final``, so the draft cache rests level with the target."""
         if self.finished:
             return
         self.finished = True
@@ -347,14 +340,15 @@ class Stream:
             if outcome.error is not None:
                 self.emit(CodedError(outcome.error).frame(self.req.id))
             if self.spec is not None:
+                self.spec.finish(outcome)
                 self.spec.__exit__(None, None, None)
             if self.session is not None:
-                self.engine._close_session(self.session, outcome, self.slot)
+                self.slot.close(self.session, outcome)
         finally:
             self._done()
 
     def _done(self) -> None:
-        self.engine.stream_closed(self)
+        self.on_close(self)
         t_end = time.perf_counter_ns()
         t_prefill = self.first_token_ns or t_end
         self.emit(

@@ -65,7 +65,7 @@ step tests 600 "$PY" -m pytest -q -p no:cacheprovider -rfE --junitxml="$OUT/test
   tests/test_models.py tests/test_smollm2_reference.py tests/test_engine.py \
   tests/test_speculative.py tests/conformance/test_default_speculation.py
 
-# bench_decode.py makes .venv-bench with mlx[cpu] on Linux when it has none: make it first
+# bench/decode.py makes .venv-bench with mlx[cpu] on Linux when it has none: make it first
 # with the MLX build .venv has (the CUDA one here), so that mlx-lm runs on the same device.
 mlx_requirement() {  # python: the mlx[build]==version it has, or nothing
   "$1" -c 'import importlib.metadata as md
@@ -83,8 +83,8 @@ if [ -n "$mlx_req" ] && [ "$(mlx_requirement .venv-bench/bin/python)" != "$mlx_r
   step bench-venv 600 bash -c 'rm -rf .venv-bench && "$0" -m venv .venv-bench \
     && .venv-bench/bin/python -m pip install -q "$1" mlx-lm' "$PY" "$mlx_req"
 fi
-step decode 600 "$PY" scripts/bench_decode.py --reps 2 --decode 64 --out "$OUT/decode.json"
-step spec 600 "$PY" scripts/bench_spec.py --prompts 3 --tokens 64 --modes greedy,T=0.7 \
+step decode 600 "$PY" scripts/bench/decode.py --reps 2 --decode 64 --out "$OUT/decode.json"
+step spec 600 "$PY" scripts/bench/spec.py --prompts 3 --tokens 64 --modes greedy,T=0.7 \
   --out "$OUT/spec.json"
 
 {
@@ -93,9 +93,9 @@ step spec 600 "$PY" scripts/bench_spec.py --prompts 3 --tokens 64 --modes greedy
   echo "MLX default device: $device"
   printf '%s\n' "${summary[@]}"
   echo "tests: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -n 1)"
-  echo "decode (bench_decode.py --reps 2 --decode 64):"
+  echo "decode (bench/decode.py --reps 2 --decode 64):"
   grep '^|' "$OUT/decode.log"
-  echo "speculation (bench_spec.py --prompts 3 --tokens 64):"
+  echo "speculation (bench/spec.py --prompts 3 --tokens 64):"
   grep '^|' "$OUT/spec.log"
   echo "outputs: ${OUT#"$ROOT"/}/ (the benchmarks' child logs: bench-results/logs/)"
 } 2>/dev/null | tee "$OUT/summary.txt"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The reference environment for tests/fixtures/reference/: a separate venv, .venv-ref/, with
 # torch (CPU), Hugging Face transformers and mlx-lm, pinned. It only *writes* the fixtures
-# (scripts/make_reference_checkpoints.py); the runner and its tests never import any of it.
+# (scripts/fixtures/); the runner and its tests never import any of it.
 #
-#   ./scripts/reference_env.sh && .venv-ref/bin/python scripts/make_reference_checkpoints.py
+#   ./scripts/reference_env.sh && .venv-ref/bin/python scripts/fixtures/checkpoints.py
 #
 # Idempotent: an existing .venv-ref/ that already has the pinned versions is left alone.
 # MTP_REF_PYTHON chooses the interpreter (default python3, 3.11).

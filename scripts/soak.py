@@ -31,7 +31,12 @@ import time
 from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import RESULTS_DIR, default_model_path, environment, markdown_table  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    default_model_path,
+    environment,
+    markdown_table,
+)
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 QUESTIONS = [

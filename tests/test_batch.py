@@ -10,8 +10,8 @@ import pytest
 from protocol.frames import Done, Error, Token
 from protocol.requests import Completion, Options
 from runner.batch import Scheduler
-from runner.decoder import prefill
 from runner.engine import Engine, EngineOptions
+from runner.prefill import prefill
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 QUESTIONS = [

@@ -6,12 +6,22 @@ import mlx.core as mx
 import pytest
 
 from cache.kv import KVCache
-from runner.decoder import PlainDecoder, PlainLoop, chunk_ends, decode_plain, prefill
+from runner.decoder import DecodeLoop, PlainDecoder, PlainLoop
 from runner.emit import Emitter
 from runner.loader import load_model
+from runner.prefill import chunk_ends, prefill
 from runner.sampler import Sampler, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, repeat_penalty=1.0, top_k=0, top_p=1.0)
+
+
+def decode_plain(loop: PlainLoop, last_prompt: int, cancelled):
+    """Pipelined plain decoding from the last prompt token until the emitter, the budget or a
+    cancel ends it: the decode loop without a drafter."""
+    decode = DecodeLoop(loop, loop.start(last_prompt), cancelled)
+    while (outcome := decode.step()) is None:
+        pass
+    return outcome
 
 
 class ScriptedModel:

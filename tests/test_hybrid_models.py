@@ -1,7 +1,7 @@
 """The Qwen3.5 / Qwen3-Next hybrids: against transformers, their recurrent cache, the weight
 conventions, the config reader and the engine path.
 
-The fixtures are ``tests/fixtures/reference/hybrid/<case>/`` (``scripts/reference_hybrid.py``:
+The fixtures are ``tests/fixtures/reference/hybrid/<case>/`` (``scripts/fixtures/hybrid.py``:
 tiny random float32 checkpoints, transformers' last-prompt logits and 32 greedy tokens per
 prompt, in the files ``tests/test_reference_models.py`` reads, whose checks are reused here).
 """
@@ -23,11 +23,11 @@ from cache.kv import KVCache, WindowSnapshot
 from cache.recurrent import RecurrentCache, RecurrentSnapshot
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture
 from runner import device
-from runner.decoder import prefill
 from runner.engine import Engine, EngineOptions
 from runner.loader import load_model
 from runner.models import build_model, head_layer, qwen3_5
 from runner.models.gated_delta import gated_delta, normalize_qk, unit_lower_inverse
+from runner.prefill import prefill
 from tests.test_engine import complete
 from tests.test_reference_models import ATOL, Reference, check_model
 

@@ -3,8 +3,8 @@ the packages, and no import cycles between the repository's modules.
 
 A module is a file (a package's __init__.py is the package). Imports count at any depth
 (inside functions and `if TYPE_CHECKING:` too); `import a.b` imports the module a.b, `from x
-import y` imports x and also x.y when that is a module; relative imports are resolved. Files
-under scripts/ also see scripts/ itself on their path (`import bench_common`), as when run.
+import y` imports x and also x.y when that is a module; relative imports are resolved. A
+script also sees its own folder on its path (`import common` in scripts/bench/), as when run.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ MODULES = {
 }
 
 
-def qualified(name: str, in_scripts: bool) -> str:
-    """An absolute import's name as a repository module name: scripts run with scripts/ first
-    on sys.path, so their `import bench_common` is scripts.bench_common."""
-    if in_scripts and name.split(".")[0] not in MODULES:
-        return f"scripts.{name}"
+def qualified(name: str, script_dir: str | None) -> str:
+    """An absolute import's name as a repository module name: a script runs with its own folder
+    first on sys.path, so `import common` in scripts/bench/ is scripts.bench.common."""
+    if script_dir and name.split(".")[0] not in MODULES:
+        return f"{script_dir}.{name}"
     return name
 
 
@@ -54,13 +54,14 @@ def loaded(name: str) -> list[str]:
 
 def imported(node: ast.Import | ast.ImportFrom, package: str, in_scripts: bool) -> list[str]:
     """The repository modules one import statement names (their parent packages aside)."""
+    script_dir = package if in_scripts else None
     if isinstance(node, ast.Import):
-        return [m for alias in node.names for m in loaded(qualified(alias.name, in_scripts))]
+        return [m for alias in node.names for m in loaded(qualified(alias.name, script_dir))]
     if node.level:  # relative: from this module's package, up level - 1
         parts = package.split(".")[: len(package.split(".")) - node.level + 1]
         name = ".".join([*parts, node.module] if node.module else parts)
     else:
-        name = qualified(node.module, in_scripts)
+        name = qualified(node.module, script_dir)
     return loaded(name) + [f"{name}.{a.name}" for a in node.names if f"{name}.{a.name}" in MODULES]
 
 

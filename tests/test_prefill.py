@@ -14,11 +14,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner import decoder, native
-from runner.decoder import Cancelled, chunk_ends, prefill
+from runner import native
+from runner import prefill as prefilling
 from runner.loader import load_model
 from runner.models import attention
 from runner.models.llama import causal_mask, window_mask
+from runner.prefill import Cancelled, chunk_ends, prefill
 
 # ---------------------------------------------------------------------------- the kernel
 
@@ -286,7 +287,7 @@ def test_a_cancel_inside_a_chunk_keeps_exactly_the_whole_chunks(four_layers, mon
     tokens = prompt(310, seed=2)
     ends = chunk_ends(0, len(tokens), chunk)
     want, _ = hidden_rows(model, tokens, chunk)
-    assert chunk >= decoder.POLL_ROWS and len(tokens) - ends[-2] >= decoder.POLL_ROWS
+    assert chunk >= prefilling.POLL_ROWS and len(tokens) - ends[-2] >= prefilling.POLL_ROWS
     marks = chunk_polls(model, tokens, chunk)
     # one poll ahead of the chunk, then per layer one between each two blocks and one after
     assert marks[0] == 1 + layers * blocks
@@ -311,7 +312,7 @@ def test_a_cancel_inside_a_chunk_keeps_exactly_the_whole_chunks(four_layers, mon
 
 def test_short_chunks_poll_once_per_chunk(four_layers):
     """Below POLL_ROWS a chunk runs as one graph: the poll count stays one per chunk."""
-    chunk = decoder.POLL_ROWS - 1
+    chunk = prefilling.POLL_ROWS - 1
     tokens = prompt(4 * chunk + 5, seed=6)
     cancelled, calls = flips_after(3)
     caches = four_layers.make_caches()
@@ -365,7 +366,7 @@ def test_models_without_a_layer_hook_are_polled_between_chunks(four_layers):
         def hidden(self, tokens, caches):
             return four_layers.hidden(tokens, caches)
 
-    assert decoder.takes_layer_hook(four_layers) and not decoder.takes_layer_hook(Plain())
+    assert prefilling.takes_layer_hook(four_layers) and not prefilling.takes_layer_hook(Plain())
     cancelled, calls = flips_after(2)
     caches = four_layers.make_caches()
     with pytest.raises(Cancelled) as raised:
@@ -421,7 +422,7 @@ def test_thread_choice_switches_on_a_faster_probe_and_backs_off_otherwise(monkey
     from runner import blas
 
     monkeypatch.setattr(blas, "thread_counts", lambda: (1, 2))
-    choice = decoder.ThreadChoice()
+    choice = prefilling.ThreadChoice()
     assert choice.wide and choice.next_probe(30) == 1  # the first chunk probes
     choice.settle(0.5, [1.0] * 29)  # narrow was twice as fast: switch, probe again next chunk
     assert not choice.wide and choice.next_probe(30) == 1
@@ -435,7 +436,7 @@ def test_thread_choice_switches_on_a_faster_probe_and_backs_off_otherwise(monkey
     assert [i for i, p in enumerate(plan) if p is not None] == [0, 2, 6, 14, 30]
     assert choice.next_probe(2) is None  # too few layers to time one against the rest
     monkeypatch.setattr(blas, "thread_counts", lambda: None)
-    assert decoder.ThreadChoice().next_probe(30) is None  # a BLAS the runner does not set
+    assert prefilling.ThreadChoice().next_probe(30) is None  # a BLAS the runner does not set
 
 
 def test_prefill_probes_one_layer_the_other_way(four_layers, monkeypatch):
@@ -443,7 +444,7 @@ def test_prefill_probes_one_layer_the_other_way(four_layers, monkeypatch):
     from runner import blas
 
     monkeypatch.setattr(blas, "thread_counts", lambda: (1, 2))
-    monkeypatch.setattr(decoder, "THREADS", decoder.ThreadChoice())
+    monkeypatch.setattr(prefilling, "THREADS", prefilling.ThreadChoice())
     widths: list[bool] = []
     entered = {"wide": False}
 
@@ -460,8 +461,8 @@ def test_prefill_probes_one_layer_the_other_way(four_layers, monkeypatch):
         widths.append(entered["wide"])
         return real_eval(*args)
 
-    monkeypatch.setattr(decoder.blas, "wide", Wide)
-    monkeypatch.setattr(decoder.mx, "eval", eval_)
+    monkeypatch.setattr(prefilling.blas, "wide", Wide)
+    monkeypatch.setattr(prefilling.mx, "eval", eval_)
     prefill(four_layers, four_layers.make_caches(), prompt(128, seed=1), 0, chunk=128)
     assert widths == [True, False, True, True, False]  # 4 layers (1 probed), then the norm
 

@@ -1,4 +1,6 @@
-"""Helpers shared by scripts/bench_decode.py and scripts/bench_cache.py.
+"""The benchmarks' shared harness (scripts/bench/*.py; scripts/soak.py uses it too): the
+machine's load and environment, the default model, tables and JSON under bench-results/, a
+corpus for prompts, and the timed child processes below.
 
 Every timed side runs in a process of its own, loaded once and driven one request at a time,
 so configurations can be interleaved (A B C A B C ...) on a shared, noisy machine:
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS_DIR = os.path.join(ROOT, "bench-results")
 BENCH_VENV = os.path.join(ROOT, ".venv-bench")
 LOGS_DIR = os.path.join(RESULTS_DIR, "logs")
@@ -313,4 +315,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "engine-worker":
         engine_worker(sys.argv[2], json.loads(sys.argv[3]))
     else:
-        raise SystemExit("usage: bench_common.py engine-worker MODEL OPTIONS_JSON (internal)")
+        raise SystemExit("usage: common.py engine-worker MODEL OPTIONS_JSON (internal)")

@@ -4,9 +4,9 @@ All three decode the same 64-token prompt for 128 tokens, greedily without penal
 same float32 weights and the same BLAS (the system OpenBLAS). Each side is a process loaded
 once; runs are interleaved (A B C A B C ...) after one short untimed warm-up run per side.
 mlx-lm runs from its own venv (.venv-bench, created on first use; never a project dependency)
-on a Hugging Face export of the weights (scripts/export_hf.py). Usage:
+on a Hugging Face export of the weights (scripts/bench/export_hf.py). Usage:
 
-    python scripts/bench_decode.py [--model GGUF] [--reps 4] [--decode 128]
+    python scripts/bench/decode.py [--model GGUF] [--reps 4] [--decode 128]
 
 The table's decode rate is wall clock: the tokens after the first over the time between the
 first and the last token's arrival (in the emit callback, at the host's end of the pipe, or
@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_common as bc  # noqa: E402
+import common as bc  # noqa: E402
 
 PROMPT_TOKENS = 64
 # Prose the model continues for well over 128 tokens without an end-of-turn token (checked

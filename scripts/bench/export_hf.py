@@ -4,7 +4,7 @@ The benchmarks give this directory to mlx-lm, which loads Hugging Face layouts o
 come from our own loader unpacked (``pack=False``), so they are exactly the tensors the runner
 computes with: dequantized, Hugging Face names, Q/K rows un-permuted. Usage:
 
-    python scripts/export_hf.py [--model PATH] [--out DIR] [--force]
+    python scripts/bench/export_hf.py [--model PATH] [--out DIR] [--force]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 

@@ -13,7 +13,7 @@ forward, so it costs only what exceeds the forward's time), and under speculatio
 acceptance (accepted / drafted) on the constrained runs. Prints a table, writes JSON under
 bench-results/.
 
-    .venv/bin/python scripts/bench_format.py [--reps 3] [--tokens 96]
+    .venv/bin/python scripts/bench/format.py [--reps 3] [--tokens 96]
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import bench_common as bc  # noqa: E402
+import common as bc  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

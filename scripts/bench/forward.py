@@ -8,7 +8,7 @@ thread on this machine (a numpy read of 512 MiB), measured in the same process, 
 the weight bytes a decode step streams. The configurations take turns, ``--reps`` times;
 the table shows medians. Usage:
 
-    python scripts/bench_forward.py [--model PATH] [--reps 3] [--only NAME ...] [--rows 8]
+    python scripts/bench/forward.py [--model PATH] [--reps 3] [--only NAME ...] [--rows 8]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 CONFIGS = {

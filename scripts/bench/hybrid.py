@@ -7,10 +7,10 @@ Gated DeltaNet with 16 key / 16 value heads of 128 and a conv of 4), the vocabul
 float32, tied head, saved in the released multimodal layout (``model.language_model.*``,
 nested ``text_config``), which both loaders read. Each side is a process loaded once (mlx-lm
 in the separate reference venv ``.venv-ref``, never a project dependency, as
-scripts/bench_decode.py runs it); runs are interleaved (A B A B ...) after one untimed
+scripts/bench/decode.py runs it); runs are interleaved (A B A B ...) after one untimed
 warm-up run per side, and every figure is a median. Usage:
 
-    python scripts/bench_hybrid.py [--reps 5] [--prompt 512] [--decode 48] [--dir DIR]
+    python scripts/bench/hybrid.py [--reps 5] [--prompt 512] [--decode 48] [--dir DIR]
 
 - prefill tok/s: prompt tokens over the time to the first generated token (prefix cache off);
 - decode tok/s: tokens after the first over the time between the first and the last one;
@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_common as bc  # noqa: E402
+import common as bc  # noqa: E402
 
 REF_VENV = os.path.join(bc.ROOT, ".venv-ref")
 DEFAULT_DIR = os.path.join(bc.RESULTS_DIR, "hybrid-0.8b-random")

@@ -10,7 +10,7 @@ as safetensors under ``bench-results/moe-bench/``, remade when their description
 - ``qwen3_dense``: the same model with one dense MLP of width 8 x 272 per layer instead, so
   its parameter count is the MoE's active count.
 
-Each side is a process loaded once (bench_common.Worker); a rep runs every side in turn (A B C
+Each side is a process loaded once (common.Worker); a rep runs every side in turn (A B C
 A B C ...), so a drift of this shared machine's speed hits all alike; tables show medians of
 per-rep values, and ratios are taken per rep before their median. Per side and rep:
 
@@ -39,7 +39,7 @@ which depth it would pick. ``--profile`` also splits a forward over 1 and 5 rows
 blocks beside them), each part built for all 16 layers and evaluated as one graph, eagerly,
 the runner sides taking turns for ``--profile-rounds`` rounds. Usage:
 
-    python scripts/bench_moe.py [--reps 5] [--decode 64] [--phases main,change,packed]
+    python scripts/bench/moe.py [--reps 5] [--decode 64] [--phases main,change,packed]
                                 [--profile]
 
 Writes bench-results/moe.json.
@@ -56,7 +56,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_common as bc  # noqa: E402
+import common as bc  # noqa: E402
 
 CHECKPOINTS = os.path.join(bc.RESULTS_DIR, "moe-bench")
 REF_PYTHON = os.path.join(bc.ROOT, ".venv-ref", "bin", "python")

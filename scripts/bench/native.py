@@ -13,7 +13,7 @@ over the panel layout (``native.mlx_panel_matmul``: rebuild [K, N], or one GEMM 
 the primitive (``native.panel_matmul``'s default for M > 16), with the BLAS and the primitive
 on every core (``runner.blas.wide``), and both on one thread.
 
-    python scripts/bench_native.py [--reps-scale 1.0] [--layers 30] [--no-large]
+    python scripts/bench/native.py [--reps-scale 1.0] [--layers 30] [--no-large]
 
 Writes bench-results/native.json.
 """
@@ -28,12 +28,12 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import machine_load, markdown_table, write_json  # noqa: E402
+from common import machine_load, markdown_table, write_json  # noqa: E402
 
 from runner import blas, native  # noqa: E402
 

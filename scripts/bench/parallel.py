@@ -14,9 +14,9 @@ prompt of its own (a unique first line: no prefix-cache hits between them). Repo
 Two runner sides take turns: with the shipped head (a lone stream speculates; shared
 forwards park speculation) and ``--no-draft`` (plain decoding throughout). mlx-lm's
 ``batch_generate`` runs the same prompts on the same float32 weights from its own venv
-(.venv-bench, as scripts/bench_decode.py makes it). Usage:
+(.venv-bench, as scripts/bench/decode.py makes it). Usage:
 
-    python scripts/bench_parallel.py [--reps 3] [--decode 128] [--streams 1,2,4,8]
+    python scripts/bench/parallel.py [--reps 3] [--decode 128] [--streams 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_common as bc  # noqa: E402
+import common as bc  # noqa: E402
 
-# Prose the model continues at length (scripts/bench_decode.py), behind a unique first line.
+# Prose the model continues at length (scripts/bench/decode.py), behind a unique first line.
 TEXT = (
     "The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
     "lantern, a thermos of tea and a notebook in which he recorded the weather, the ships "
@@ -229,11 +229,11 @@ def main() -> int:
         sides[name].wait_ready()
     tokenize = sides["runner (head)"].tokenize
     if not args.no_mlx_lm:
-        import bench_decode
+        import decode
         import export_hf
 
         hf_dir = export_hf.ensure_export_in_child(model)
-        python = bench_decode.ensure_bench_venv()
+        python = decode.ensure_bench_venv()
         env = dict(os.environ, PYTHONPATH=bc.ROOT)
         here = os.path.abspath(__file__)
         sides[MLX_LM] = bc.Worker(

@@ -9,11 +9,11 @@ Each side is a process loaded once and driven one command at a time, runs interl
   exported with ``git archive`` under bench-results/ with this tree's native build copied
   in (the report's tuning lines show the layout each side got), for before/after numbers;
 - "mlx-lm": ``mlx_lm.stream_generate`` with one output token on a Hugging Face export of the
-  same float32 weights (scripts/export_hf.py), in its own venv (.venv-ref, else .venv-bench
-  as scripts/bench_decode.py makes it; mlx-lm is never a project dependency), with the same
+  same float32 weights (scripts/bench/export_hf.py), in its own venv (.venv-ref, else .venv-bench
+  as scripts/bench/decode.py makes it; mlx-lm is never a project dependency), with the same
   BLAS and the runner's prefill thread count. Its rate is the one it reports (prompt_tps).
 
-Prompts are the corpus text's tokens (``bench_common.corpus_text``), a different window per
+Prompts are the corpus text's tokens (``common.corpus_text``), a different window per
 repetition, so nothing is cached anywhere. Rates are tokens over wall seconds, medians of
 ``--reps`` runs. A length over the model's context is skipped and said so.
 
@@ -22,7 +22,7 @@ a thread that sets the flag at a random moment (seeded) while it runs; the laten
 setting the flag to ``prefill`` raising ``Cancelled``, and every trial checks that all caches
 rest at one offset on a chunk boundary. Usage:
 
-    python scripts/bench_prefill.py [--model GGUF] [--reps 3] [--lengths 512,1500,4000,8000]
+    python scripts/bench/prefill.py [--model GGUF] [--reps 3] [--lengths 512,1500,4000,8000]
         [--baseline HEAD] [--cancel-trials 12] [--cancel-tokens 8000] [--no-mlx-lm]
 """
 
@@ -39,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_common as bc  # noqa: E402
+import common as bc  # noqa: E402
 
 RUNNER, BASELINE, MLX_LM = "runner", "baseline", "mlx-lm"
 LENGTHS = (512, 1500, 4000, 8000)
@@ -153,14 +153,14 @@ def mlx_lm_worker(hf_dir: str) -> None:
 
 
 def mlx_lm_python() -> str:
-    """.venv-ref's python when it has mlx-lm, else .venv-bench (made as bench_decode does)."""
+    """.venv-ref's python when it has mlx-lm, else .venv-bench (made as decode.py does)."""
     python = os.path.join(REF_VENV, "bin", "python")
     probe = [python, "-c", "import mlx_lm, mlx.core"]
     if os.path.exists(python) and subprocess.run(probe, capture_output=True).returncode == 0:
         return python
-    import bench_decode
+    import decode
 
-    return bench_decode.ensure_bench_venv()
+    return decode.ensure_bench_venv()
 
 
 # ----------------------------------------------------------------------------- set-up

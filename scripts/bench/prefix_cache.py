@@ -7,7 +7,7 @@ and in process (from calling ``Engine.run`` to the first token frame). One runne
 one in-process engine serve every repetition, interleaved: pipe cold, in-process cold, pipe
 warm, in-process warm. Usage:
 
-    python scripts/bench_cache.py [--model GGUF] [--reps 4]
+    python scripts/bench/prefix_cache.py [--model GGUF] [--reps 4]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_common as bc  # noqa: E402
+import common as bc  # noqa: E402
 
 PIPE, ENGINE = "through the pipe", "in process"
 SIDES = (PIPE, ENGINE)

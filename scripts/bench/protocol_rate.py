@@ -1,6 +1,6 @@
 """Protocol overhead: frames per second through the pipe, and per token against a decode step.
 
-    python scripts/bench_protocol.py [--frames 20000] [--runs 3] [--decode-tokens 48]
+    python scripts/bench/protocol_rate.py [--frames 20000] [--runs 3] [--decode-tokens 48]
 
 1. End to end through real pipes with the no-op model (`--noop-model`): a host sends one
    completion and reads and parses every token frame; frames/s and wall time per frame.
@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import protocol  # noqa: E402

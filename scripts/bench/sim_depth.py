@@ -8,7 +8,7 @@ prompt's rate (conditional acceptance, the same at every position). A run is 30 
 tokens, one controller across them, as in a server. The speed column is tokens per second
 relative to plain decoding on the same rounds' speeds. Usage:
 
-    python scripts/sim_depth.py [--seeds 30] [--noise 0.15] [--set NAME=VALUE ...]
+    python scripts/bench/sim_depth.py [--seeds 30] [--noise 0.15] [--set NAME=VALUE ...]
 
 ``--set`` overrides a constant of ``drafting.depth`` (e.g. ``SWITCH_MARGIN=0``) to compare
 tunings.
@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as bc  # noqa: E402
+import common as bc  # noqa: E402
 
 sys.path.insert(0, bc.ROOT)
 from drafting import depth as depth_module  # noqa: E402

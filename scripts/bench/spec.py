@@ -7,8 +7,8 @@ Decode speed is eval_tokens / eval_ns from the done frames. Prints tokens/s, the
 acceptance per draft position (position 1 counted, deeper ones the controller's running
 estimate) and the depths the controller chose, and writes JSON under bench-results/.
 
-    python scripts/bench_spec.py                 # the shipped head (or --draft DIR)
-    python scripts/bench_spec.py --random-head   # a useless head: the controller must park
+    python scripts/bench/spec.py                 # the shipped head (or --draft DIR)
+    python scripts/bench/spec.py --random-head   # a useless head: the controller must park
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 

@@ -6,7 +6,7 @@ with fused features; all on the same batches of generated data, in one process, 
 so that the machine's load hits every side alike. Prints a table (median seconds per step and
 per thousand pairs, the ratio to NumPy) and writes ``bench-results/train-step.json``.
 
-    python scripts/bench_train_step.py --work-dir DIR [--batches 4] [--reps 3]
+    python scripts/bench/train_step.py --work-dir DIR [--batches 4] [--reps 3]
 
 ``DIR`` is a ``train-head`` work dir of the default model generated with feature layers (the
 default), e.g. after ``mtp-runner train-head MODEL --out x --stage generate --max-prompts 60``.
@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from bench_common import ROOT, default_model_path, environment, markdown_table, write_json
+from common import ROOT, default_model_path, environment, markdown_table, write_json
 
 sys.path.insert(0, ROOT)
 
