@@ -29,18 +29,18 @@ from two measured models:
 Depth 0 (plain decoding) is a real option, measured like any other, so speculation never
 settles on being slower than plain decoding. The search stops one position past the deepest
 trusted position (not at all when that position's rate is under 0.1) and at ``max_depth``
-(``--max-draft``). The selected depth changes only for a rate 3% better than its own: the
-estimates are noisy, and every change of depth costs rounds on both sides. Every so often the
-controller probes a depth next to its choice for five rounds (the middle three are timed: a
-parked controller would otherwise never re-measure the cost of drafting), one deeper and one
-shallower in turn (parked, always deeper); the interval starts at 4 rounds and doubles after
-each probe that did not change the choice, up to 256, and snaps back to 4 when the choice
-changes. A probe of a position whose trusted rate is under 0.1 lasts one round: it only
-watches for the head starting to work (such a rate cannot pay for any cost a depth-1 round
-can have), so a useless head costs one drafted round per interval, not five. A depth in range
-that has no cost sample yet is drafted before anything else (cost seeding).
+(``--max-draft``, at most ``MAX_DRAFT_DEPTH``). The selected depth changes only for a rate 3%
+better than its own: the estimates are noisy, and every change of depth costs rounds on both
+sides. Every so often the controller probes a depth next to its choice for five rounds (the
+middle three are timed: a parked controller would otherwise never re-measure the cost of
+drafting), one deeper and one shallower in turn (parked, always deeper); the interval starts at
+4 rounds and doubles after each probe that did not change the choice, up to 256, and snaps back
+to 4 when the choice changes. A probe of a position whose trusted rate is under 0.1 lasts one
+round: it only watches for the head starting to work (such a rate cannot pay for any cost a
+depth-1 round can have), so a useless head costs one drafted round per interval, not five. A
+depth in range that has no cost sample yet is drafted before anything else (cost seeding).
 
-The constants were tuned with ``scripts/sim_depth.py`` (simulated rounds with measured
+The constants were tuned with ``scripts/bench/sim_depth.py`` (simulated rounds with measured
 relative costs, per-round noise, a drifting speed and per-prompt acceptance).
 """
 
@@ -61,6 +61,13 @@ EXTEND_ABOVE = 0.1  # look one position past the frontier only above this accept
 PROBE_ROUNDS = 5  # rounds per probe; the first and last are not timed (changes of depth)
 CHEAP_PROBE_ROUNDS = 1  # rounds per probe of a position trusted to be under EXTEND_ABOVE
 DEFAULT_MAX_DEPTH = 8
+# The hard ceiling on any draft depth (``--max-draft``, ``--draft-depth``): a round verifies
+# ``[x, d1..dk]``, k + 1 rows, and 16 rows is the most the verify paths are built for: the
+# compiled blocks (``runner.models.llama.COMPILED_MAX_ROWS``), the native few-row product
+# (``runner.native.SMALL_ROWS``), the row layout (``runner.models.layers.MAX_ROWS_LEFT``) and
+# a rotating cache's default slack (``cache.window.RotatingKVCache``). tests/test_depth.py
+# checks those stay at least MAX_DRAFT_DEPTH + 1.
+MAX_DRAFT_DEPTH = 15
 SWITCH_MARGIN = 0.03  # leave the selected depth only for a rate this much better
 
 
@@ -72,7 +79,7 @@ class DepthController:
         max_depth: int = DEFAULT_MAX_DEPTH,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.max_depth = max(int(max_depth), 0)
+        self.max_depth = checked_depth(max_depth, "max_depth")
         self._clock = clock
         self._lock = threading.Lock()  # status() reads from other threads
         self._speed: float | None = None  # seconds per unit of relative cost
@@ -283,6 +290,15 @@ class DepthController:
             }
 
 
+def checked_depth(depth: int, name: str) -> int:
+    """``depth`` as an int, at least 0 (a negative one means none); ValueError above
+    ``MAX_DRAFT_DEPTH``, the deepest round the verify paths serve."""
+    depth = int(depth)
+    if depth > MAX_DRAFT_DEPTH:
+        raise ValueError(f"{name} {depth} is above the draft depth ceiling {MAX_DRAFT_DEPTH}")
+    return max(depth, 0)
+
+
 def _lower_median(values: list[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
@@ -319,7 +335,7 @@ class FixedDepth:
     """A constant depth with the session interface (tests, benchmarks, ``--draft-depth``)."""
 
     def __init__(self, depth: int) -> None:
-        self._depth = max(int(depth), 0)
+        self._depth = checked_depth(depth, "depth")
 
     @property
     def enabled(self) -> bool:

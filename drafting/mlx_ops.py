@@ -12,8 +12,15 @@ verify feed of ``[x, d1..dk]`` at ``entry`` each of them is asked to keep the st
 ``states_at``), and every feed keeps the state it started from. So reconcile's rewind to
 ``entry + 1 + r`` (any acceptance, an accepted EOS, a forced ``</think>`` cut, the verify-host
 salvage at ``entry + 1``) and the restore of the entry (the feed's start) land on held states:
-no second forward, no replay on a rejection, and ``capture`` stays a position. A rewind to a
-position no cache holds is a ``TargetError`` before any cache moves.
+no second forward, no replay on a rejection, and ``capture`` stays a position.
+
+**Sliding windows** (``cache.window.RotatingKVCache``) need no preflight before a round: a
+rewind only moves an offset, and every append keeps the window before its first row whatever
+its length, so after a verify feed at any depth every rollback of the round (the entry,
+``entry + 1 + r``) is still one the cache can undo (``tests/test_window_cache.py`` checks it
+at the depth ceiling). A rewind to a position some windowed cache (sliding or recurrent) can
+no longer resume at is a ``TargetError`` before any cache moves, not a failure at the next
+append.
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ class MlxRoundOps:
         self.model = model
         self.caches = caches
         # Layers that hold only certain states: told what to keep before each verify feed.
-        self._recurrent = [c for c in caches if callable(getattr(c, "keep", None))]
+        self._recurrent = [c for c in caches if c.keeps_states]
+        # Layers that resume only where they hold a window (or a state): asked before a rewind.
+        self._windowed = [c for c in caches if c.windowed]
         self.draft = draft
         self.sampler = sampler
         self.logprobs = logprobs  # filled from every deciding row when the request asks
@@ -88,11 +97,16 @@ class MlxRoundOps:
     def rewind(self, position: int) -> None:
         if not 0 <= position <= self.position:
             raise TargetError(f"cannot rewind the target from {self.position} to {position}")
-        for c in self._recurrent:
+        for c in self._windowed:  # all of them before any cache moves
             if not c.can_rewind(position):
+                if c.keeps_states:
+                    raise TargetError(
+                        f"a recurrent layer at {c.offset} holds no state at {position} (held: "
+                        f"{c.rewind_points()})"
+                    )
                 raise TargetError(
-                    f"a recurrent layer at {c.offset} holds no state at {position} (held: "
-                    f"{c.rewind_points()})"
+                    f"a sliding-window layer at {c.offset} no longer holds the window before "
+                    f"{position}"
                 )
         for c in self.caches:
             c.rewind(position)
@@ -125,7 +139,7 @@ class MlxRoundOps:
             proposal = self.draft.propose(
                 current, k, self.sampler, slot=self.position + 1, constrain=constrain
             )
-        except Exception as exc:
+        except Exception as exc:  # the drafts are lazy: none was made yet (drafted 0)
             raise HeadError(f"draft head failed: {exc}") from exc
         finally:
             if consumed:  # the matcher back at x, where the verify feed starts

@@ -6,8 +6,8 @@ Decoding with a draft head runs in rounds. A round starts at the current token `
 not yet emitted, not yet fed. Entry invariant: the target caches hold exactly the committed
 prefix; the draft KV holds one pair per committed token but the last (the frontier pair, the
 last committed hidden with ``x``, is still open). The driver never touches arrays: all model
-work goes through ``RoundOps`` (the real MLX implementation lives in the engine; tests use a
-deterministic fake), which answers a verify feed with host ints after one sync.
+work goes through ``RoundOps`` (the real MLX implementation is ``drafting.mlx_ops``; tests use
+a deterministic fake), which answers a verify feed with host ints after one sync.
 
 The request's ``cache.ledger.Ledger`` (shared with the plain decoding loop) holds the two
 token lists: ``emitted`` (every token handed to the emitter, plus forced close markers) and
@@ -43,11 +43,13 @@ failure after the caches were mutated):
 
 HEAD_STEP_FAILED   HeadError (or TargetError) from the head step: discard the head, TARGET_ONLY.
                    HostError: rewind the head to its entry pairs, TARGET_ONLY with the pair
-                   commit, so speculation resumes next round.
+                   commit, so speculation resumes next round. Either way the drafts the step
+                   proposed before failing (the error's ``drafted``) count as drafted.
 DRAFT_EVAL_FAILED  the verify feed raises HeadError (the lazy drafts failed inside the fused
                    evaluation): restore the entry state, discard the head, TARGET_ONLY.
-VERIFY_HOST        HostError after the verify forward: rewind to entry + 1 (x committed),
-                   discard the head; successor = the salvage, else error (caches reusable).
+VERIFY_HOST        HostError after the verify forward (also a verification of the wrong
+                   length): rewind to entry + 1 (x committed), discard the head;
+                   successor = the salvage, else error (caches reusable).
 TARGET_FAILED      TargetError from a feed, restore or rewind: error, caches not reusable.
 HEAD_COMMIT_FAILED any error while rewinding or committing the head: discard it, go on.
 REPLAY_HOST        HostError from a replay feed: its tokens count as fed, discard the head;
@@ -59,7 +61,7 @@ target's token for every slot of the feed in its one sync, a replay draws its su
 slot; the driver itself never draws, and the order of the calls does not matter.
 
 Parking: ``plan()`` is the decision point. Depth 0 (the controller's choice, a disabled
-request, a head that is not ready) makes the round target-only; the engine may run
+request, a head that is not ready) makes the round target-only; the decode loop may run
 the pipelined plain decoder instead (writing the same ledger) and account each of its steps
 with ``parked_round()``.
 Since the head sees every committed forward, resuming needs no extra forward: the next
@@ -80,7 +82,14 @@ from drafting.stats import SpecStats
 
 
 class OpError(Exception):
-    """A seam operation failed; the subclass says what state it left behind."""
+    """A seam operation failed; the subclass says what state it left behind.
+
+    ``drafted``: from ``head_step``, the drafts it had proposed before it failed (a head that
+    drafts step by step may fail at step i > 0); the statistics count them."""
+
+    def __init__(self, *args: object, drafted: int = 0) -> None:
+        super().__init__(*args)
+        self.drafted = drafted
 
 
 class TargetError(OpError):
@@ -98,8 +107,10 @@ class HostError(OpError):
     feed) or of the last fed token (replay feed asked for a successor), when the host data
     survived; None otherwise."""
 
-    def __init__(self, message: str = "host failure", salvage: int | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str = "host failure", salvage: int | None = None, *, drafted: int = 0
+    ) -> None:
+        super().__init__(message, drafted=drafted)
         self.salvage = salvage
 
 
@@ -152,7 +163,8 @@ class RoundOps(Protocol):
 
     def head_step(self, current: int, k: int) -> object:
         """Draft k tokens after ``current`` from the frontier; returns an opaque, lazily
-        computed proposal that ``verify_feed`` evaluates with the target. HeadError, HostError."""
+        computed proposal that ``verify_feed`` evaluates with the target. HeadError, HostError
+        (``drafted``: how many drafts it proposed before it failed)."""
 
     def verify_feed(self, current: int, proposal: object | None) -> Verification:
         """Feed [current, d1..dk] in one forward and sync once. HeadError (the proposal failed
@@ -415,13 +427,15 @@ class RoundDriver:
 
         try:
             proposal = self.ops.head_step(x, k)
-        except HostError:  # HEAD_STEP_FAILED, host side: drop the step's entries and resume
-            self._head_rewind(entry_pairs)
+        except OpError as error:  # HEAD_STEP_FAILED
+            # The drafts it proposed before failing count, as those of a round failing later.
+            self.stats.record_drafted(min(max(error.drafted, 0), k))
+            if isinstance(error, HostError):  # host side: drop the step's entries and resume
+                self._head_rewind(entry_pairs)
+            else:  # the head is gone for this request
+                self._discard_head()
             return self._target_only(x)
-        except OpError:  # HEAD_STEP_FAILED: the head is gone for this request
-            self._discard_head()
-            return self._target_only(x)
-        self.stats.record_drafted(k)
+        self.stats.record_drafted(k)  # proposed, whatever happens to the round from here
 
         try:
             verified = self.ops.verify_feed(x, proposal)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 class SpecStats:
     rounds: int = 0  # verified speculative rounds (at least one draft checked by the target)
     parked: int = 0  # depth-0 rounds: target-only or plain decoding while parked
-    drafted: int = 0  # tokens the head proposed, counted when the head step returns
+    # tokens the head proposed, counted at draft time: a proposal's k when the head step
+    # returns (kept if the round fails later), a failing step's drafts made before it failed
+    drafted: int = 0
     accepted: int = 0  # drafts the verification accepted (before emission cuts the run)
     accepted_per_depth: list[int] = field(default_factory=list)
     final_depth: int = 0  # the depth scheduled for the round after the last one

@@ -16,6 +16,7 @@ import sys
 from typing import BinaryIO
 
 import protocol
+from drafting.depth import MAX_DRAFT_DEPTH
 from runner import __version__
 
 log = logging.getLogger("mtp_runner.cli")
@@ -46,6 +47,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def draft_depth(text: str) -> int:
+    """A draft depth: 0 up to ``MAX_DRAFT_DEPTH``, the deepest round the verify paths serve
+    (argparse names the flag in front of the message)."""
+    value = non_negative_int(text)
+    if value > MAX_DRAFT_DEPTH:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_DRAFT_DEPTH} (the draft depth ceiling): {text}"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtp-runner",
@@ -63,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", metavar="PATH", help="MTP draft head sidecar directory")
     p.add_argument("--no-draft", action="store_true", help="never speculate")
     count = functools.partial(p.add_argument, metavar="N")  # an integer option
-    count("--max-draft", type=non_negative_int, default=8, help="deepest speculation depth (8)")
+    count(
+        "--max-draft",
+        type=draft_depth,
+        default=8,
+        help=f"deepest speculation depth (8; at most {MAX_DRAFT_DEPTH})",
+    )
     count(
         "--parallel",
         type=positive_int,
@@ -73,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     count(
         "--draft-depth",
-        type=non_negative_int,
+        type=draft_depth,
         help="draft exactly N tokens per round instead of the adaptive depth (benchmarks)",
     )
     p.add_argument(

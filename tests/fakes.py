@@ -179,6 +179,7 @@ class FakeOps:
         self.frontier = target_hidden(self.fed) if head and primed else None
         self.poisoned = False  # a failed forward left half-written caches; only restore heals
         self._faults: dict[str, tuple[int, str]] = {}
+        self.head_fault_at = 0  # drafts an armed head_step makes before its fault fires
         self.calls: Counter[str] = Counter()
         self.recurrent: RecurrentCache | None = None
         if recurrent:  # the prompt's prefill
@@ -189,7 +190,8 @@ class FakeOps:
 
     def arm(self, op: str, nth: int, kind: str) -> None:
         """Fail the ``nth`` (0-based) call of ``op`` with ``kind`` (see FAULT_KINDS); ``op`` is
-        a seam method name, or "draft_eval" for the proposal's evaluation inside verify_feed."""
+        a seam method name, or "draft_eval" for the proposal's evaluation inside verify_feed.
+        A head_step fault fires at draft step ``head_fault_at`` (0: before the first draft)."""
         assert kind in FAULT_KINDS, kind
         self._faults[op] = (nth, kind)
 
@@ -297,16 +299,18 @@ class FakeOps:
     def head_step(self, current: int, k: int) -> FakeProposal:
         self.log.append(("head_step", current, k))
         kind = self._fault("head_step")
-        if kind in ("target", "head"):
+        if kind in ("target", "head") and self.head_fault_at == 0:
             raise HeadError("fake head forward fault")
         assert self.head_ready, "head_step on a head that is not ready"
         seq = [*self.decode, current]
         prev = self.frontier
         drafts = []
         for i in range(k):
+            if kind in ("target", "head") and i == self.head_fault_at:
+                raise HeadError("fake head forward fault", drafted=i)
             self.pairs.append((seq[-1], prev))  # speculative entry, above the committed pairs
-            if kind is not None:
-                raise HostError("fake head host fault")
+            if kind in ("host", "host-bare") and i == self.head_fault_at:
+                raise HostError("fake head host fault", drafted=i)
             prev = head_hidden(len(self.pairs), seq)
             token = self._pick(self._draft_row(seq), self.position + 1 + i)
             drafts.append(token)

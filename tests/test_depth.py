@@ -7,7 +7,15 @@ import json
 import numpy as np
 import pytest
 
-from drafting.depth import PROBE_FIRST, PROBE_MAX, PROBE_ROUNDS, DepthController, FixedDepth
+from drafting.depth import (
+    MAX_DRAFT_DEPTH,
+    PROBE_FIRST,
+    PROBE_MAX,
+    PROBE_ROUNDS,
+    DepthController,
+    FixedDepth,
+)
+from runner.cli import build_parser
 
 
 def flat(depth: int) -> float:
@@ -294,6 +302,40 @@ def test_fixed_depth_is_constant():
     fixed.round_finished(3, 0)
     assert fixed.enabled and fixed.depth == 3
     assert not FixedDepth(0).enabled
+
+
+def test_no_depth_source_goes_past_the_ceiling():
+    assert DepthController(max_depth=MAX_DRAFT_DEPTH).state()["max_depth"] == MAX_DRAFT_DEPTH
+    assert FixedDepth(MAX_DRAFT_DEPTH).depth == MAX_DRAFT_DEPTH
+    too_deep = MAX_DRAFT_DEPTH + 1
+    with pytest.raises(ValueError, match=f"max_depth {too_deep} .* ceiling {MAX_DRAFT_DEPTH}"):
+        DepthController(max_depth=too_deep)
+    with pytest.raises(ValueError, match=f"depth {too_deep} .* ceiling {MAX_DRAFT_DEPTH}"):
+        FixedDepth(too_deep)
+
+
+@pytest.mark.parametrize("flag", ["--max-draft", "--draft-depth"])
+def test_the_cli_refuses_depths_past_the_ceiling(flag, capsys):
+    dest = flag[2:].replace("-", "_")
+    assert getattr(build_parser().parse_args([flag, str(MAX_DRAFT_DEPTH)]), dest) == MAX_DRAFT_DEPTH
+    assert getattr(build_parser().parse_args([flag, "0"]), dest) == 0  # 0: no speculation
+    for bad, why in ((MAX_DRAFT_DEPTH + 1, f"at most {MAX_DRAFT_DEPTH}"), (-1, "at least 0")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([flag, str(bad)])
+        assert f"argument {flag}: must be {why}" in capsys.readouterr().err
+
+
+def test_the_ceiling_fits_every_verify_path():
+    """A round at the ceiling verifies MAX_DRAFT_DEPTH + 1 rows: still compiled, still the
+    native few-row product and the row layout, and within a rotating cache's slack."""
+    from cache.window import RotatingKVCache
+    from runner import native
+    from runner.models.layers import MAX_ROWS_LEFT
+    from runner.models.llama import COMPILED_MAX_ROWS
+
+    rows = MAX_DRAFT_DEPTH + 1
+    assert min(COMPILED_MAX_ROWS, native.SMALL_ROWS, MAX_ROWS_LEFT) >= rows
+    assert RotatingKVCache(4).slack >= rows
 
 
 def test_a_useless_head_is_never_drafted_deeper_than_one():

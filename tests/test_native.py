@@ -1,7 +1,6 @@
 """runner.native: the few-row panel product primitive (exactness, batch invariance, MLX
 integration) and the MLX path over the same panels for many rows."""
 
-import runner  # noqa: F401, I001  (first: loads the BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -1,7 +1,6 @@
 """runner.native.flash_attention: the fused prefill attention against a float64 softmax, over
 its block and tile boundaries, strided operands, grouped heads and thread splits."""
 
-import runner  # noqa: F401, I001  (first: loads the BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest

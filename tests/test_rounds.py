@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from drafting.depth import DepthController, FixedDepth
-from drafting.rounds import RoundDriver, RoundEnd, RoundError, RoundPlan
+from drafting.depth import MAX_DRAFT_DEPTH, DepthController, FixedDepth
+from drafting.rounds import HostError, RoundDriver, RoundEnd, RoundError, RoundPlan, Verification
 from runner.sampler import Sampler, SamplingParams
 from tests.fakes import (
     FakeOps,
@@ -224,6 +224,23 @@ def test_budget_clamps_the_draft_depth():
     check_state(ops, driver)
 
 
+def test_a_round_at_the_depth_ceiling_verifies_one_row_more():
+    chain = [5 + i % 10 for i in range(MAX_DRAFT_DEPTH + 1)]  # never EOS
+    drafts = chain[:-1]
+    ops, em, driver = make(
+        depth=MAX_DRAFT_DEPTH,
+        budget=64,
+        target=scripted(X, chain, fallback),
+        draft=scripted(X, drafts, fallback),
+    )
+    assert driver.plan() == RoundPlan(MAX_DRAFT_DEPTH, "speculate")
+    assert driver.round(X) == RoundEnd("continue", chain[-1])
+    assert ops.events("verify") == [("verify", [X, *drafts])]  # MAX_DRAFT_DEPTH + 1 rows
+    assert em.pushed == driver.committed == [X, *drafts]
+    assert driver.stats.accepted_per_depth[MAX_DRAFT_DEPTH] == 1
+    check_state(ops, driver)
+
+
 def test_one_token_prompt_can_speculate():
     ops = FakeOps([1], vocab=V, **full_acceptance())
     assert ops.pairs == [] and ops.head_ready
@@ -362,6 +379,60 @@ def test_draft_evaluation_failure_restores_the_entry_and_goes_target_only():
         ("verify", [X]),
     ]
     assert driver.committed == [X]
+    assert driver.stats.drafted == 2 and driver.stats.rounds == 0  # proposed, never judged
+    check_state(ops, driver)
+
+
+@pytest.mark.parametrize(("kind", "made"), [("host", 0), ("host", 2), ("head", 0), ("head", 1)])
+def test_drafts_a_failing_head_step_made_count_as_drafted(kind, made):
+    """HEAD_STEP_FAILED at draft step ``made``: the drafts before it were proposed and
+    count, as those of a round that fails at its verification; nothing was judged."""
+    ops, _, driver = make(depth=3, **full_acceptance())
+    ops.head_fault_at = made
+    ops.arm("head_step", 0, kind)
+    assert driver.round(X) == RoundEnd("continue", 12)  # target-only
+    assert driver.stats.drafted == made and driver.stats.rounds == 0
+    assert driver.committed == [X] and ops.head_alive == (kind == "host")
+    check_state(ops, driver)
+    run_rounds(driver, 12)
+    later = sum(e[2] for e in ops.events("head_step")[1:])
+    assert driver.stats.drafted == made + later
+    assert (later > 0) == (kind == "host")  # a host failure resumes speculation
+    check_state(ops, driver)
+
+
+MALFORMED = {
+    "a draft missing": lambda v: Verification(v.drafts[:-1], v.accept, v.successors, v.rows),
+    "a decision too many": lambda v: Verification(v.drafts, [*v.accept, True], v.successors),
+    "a successor missing": lambda v: Verification(v.drafts, v.accept, v.successors[:-1]),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_verification_of_the_wrong_length_is_a_verify_host_failure(case):
+    """``RoundDriver._check``: VERIFY_HOST with no salvage. The target keeps x (rewound to
+    entry + 1), nothing of the verification is emitted, the head is discarded, and the request
+    ends with the caches reusable."""
+    ops, em, driver = make(**full_acceptance())
+    feed = ops.verify_feed
+
+    def malformed(current, proposal):
+        verified = feed(current, proposal)
+        return verified if proposal is None else MALFORMED[case](verified)
+
+    ops.verify_feed = malformed
+    with pytest.raises(RoundError) as info:
+        driver.round(X)
+    assert info.value.reusable and isinstance(info.value.cause, HostError)
+    assert "verification of 2 drafts came back with" in str(info.value)
+    assert em.pushed == driver.emitted == driver.committed == [X]
+    assert ops.ops_log()[-3:] == [
+        ("verify", [X, 12, 13]),
+        ("rewind", len(PROMPT) + 1),
+        ("head_discard",),
+    ]
+    assert not ops.head_alive and driver.plan().why == "no-head"
+    assert driver.stats.drafted == 2 and driver.stats.rounds == 0
     check_state(ops, driver)
 
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 import pytest
 
 from cache.kv import RotatingKVCache
+from drafting.depth import MAX_DRAFT_DEPTH
 from drafting.session import DraftSession
 from protocol.requests import Completion, Options
 from runner.engine import Engine, EngineOptions
@@ -118,6 +119,7 @@ def requests(seed: int) -> list[list[int]]:
         ("gemma2_old", "echo", 4),
         ("gemma3_text_new", "random", 2),
         ("qwen2_sliding_old", "echo", 8),
+        ("qwen2_sliding_new", "echo", MAX_DRAFT_DEPTH),  # a verify feed as long as the window
         (PHI3, "random", 3),
     ],
 )

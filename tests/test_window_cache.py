@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -17,9 +18,14 @@ import pytest
 
 from cache.kv import KVCache, RotatingKVCache, WindowSnapshot
 from cache.session import PrefixCache, trie_keys
+from drafting.accept import accepted_count
+from drafting.depth import MAX_DRAFT_DEPTH
+from drafting.mlx_ops import MlxRoundOps
+from drafting.rounds import TargetError
 from runner import device
 from runner.loader import load_model
 from runner.models.llama import window_mask
+from runner.sampler import Sampler, SamplingParams
 from tests.test_cache_session import check_against_fresh, run_property, serve
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference"
@@ -294,6 +300,96 @@ def test_verify_feeds_and_rewinds_equal_plain_decoding(small_steps, case):
     want = full_logits(model, seq)
     for pos, row in checked.items():
         np.testing.assert_allclose(row, want[pos], atol=1e-4, rtol=0, err_msg=str(pos))
+
+
+def plain_greedy(model, prompt: list[int], count: int) -> list[int]:
+    """``count`` greedy tokens after ``prompt``, one row per forward."""
+    caches = model.make_caches()
+    logits, _ = model.forward(mx.array([prompt]), caches)
+    out: list[int] = []
+    for _ in range(count):
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+        logits, _ = model.forward(mx.array([out[-1:]]), caches)
+    return out
+
+
+def greedy_ops(model, caches) -> MlxRoundOps:
+    """The round driver's MLX seam over ``caches``, greedy, no head (drafts are passed in)."""
+    sampler = Sampler(
+        SamplingParams(temperature=0, repeat_penalty=1.0), [], model.args.vocab_size, 4096
+    )
+    return MlxRoundOps(model, caches, None, sampler)
+
+
+def prefill(ops: MlxRoundOps, prompt: list[int], chunk: int) -> int:
+    """Feed ``prompt`` in chunks (so the windows slide); the first token after it."""
+    starts = range(0, len(prompt), chunk)
+    for i in starts[:-1]:
+        ops.replay_feed(prompt[i : i + chunk], successor=False)
+    return ops.replay_feed(prompt[starts[-1] :], successor=True).successor
+
+
+@pytest.mark.parametrize("case", SLIDING)
+def test_rounds_at_the_depth_ceiling_never_need_a_rewind_the_window_cannot_undo(small_steps, case):
+    """Verify feeds of MAX_DRAFT_DEPTH drafts (as many rows as the window) through the seam,
+    accepted up to every depth: after each, every rollback the round can make (the entry, x
+    kept, any accepted count) is one every sliding cache can undo, and rewinding there and
+    going on decodes exactly what plain greedy decoding does."""
+    model = load(case)
+    caches = model.make_caches()
+    windowed = [c for c in caches if isinstance(c, RotatingKVCache)]
+    prompt = tokens_for(23, seed=len(case))
+    want = plain_greedy(model, prompt, 100)
+    ops = greedy_ops(model, caches)
+    x = prefill(ops, prompt, 5)
+    rng = random.Random(11)
+    got: list[int] = []
+    accepted = set()
+    while len(got) < 80:
+        entry = ops.position
+        right = want[len(got) + 1 : len(got) + 1 + MAX_DRAFT_DEPTH]  # the tokens after x
+        wrong_from = rng.randint(0, MAX_DRAFT_DEPTH)
+        drafts = [t if i < wrong_from else (t + 1) % 320 for i, t in enumerate(right)]
+        proposal = SimpleNamespace(tokens=mx.array(drafts, dtype=mx.int32))
+        verified = ops.verify_feed(x, proposal)
+        for c in windowed:
+            reachable = [c.can_rewind(p) for p in range(entry, entry + MAX_DRAFT_DEPTH + 2)]
+            assert all(reachable), (case, entry, c.valid_lo, reachable)
+        a = accepted_count(verified.accept)
+        if rng.random() < 0.2:  # as after a failed draft evaluation: the entry, then x alone
+            ops.restore(entry)
+            verified, a = ops.verify_feed(x, None), 0
+        else:
+            ops.rewind(entry + 1 + a)
+        accepted.add(a)
+        got += [x, *verified.drafts[:a]]
+        x = verified.successors[a]
+    assert got == want[: len(got)]
+    assert all(c.base > 0 for c in windowed)  # the windows slid out of the buffers
+    assert {0, MAX_DRAFT_DEPTH} <= accepted and len(accepted) > 5
+
+
+def test_a_rewind_past_the_window_is_refused_before_any_cache_moves(small_steps):
+    """The seam refuses a rewind to where a sliding cache no longer holds the window, with
+    every cache left where it was, instead of failing at the next append; decoding goes on."""
+    model = load("qwen2_sliding_new")  # full layer 0, sliding layers 1 and 2
+    caches = model.make_caches()
+    prompt = tokens_for(61, seed=9)
+    want = plain_greedy(model, prompt, 4)
+    ops = greedy_ops(model, caches)
+    x = prefill(ops, prompt, 7)
+    lost = [p for p in range(ops.position) if not all(c.can_rewind(p) for c in caches)]
+    assert lost and all(caches[0].can_rewind(p) for p in lost)  # the full layer could
+    offsets = [c.offset for c in caches]
+    with pytest.raises(TargetError, match="sliding-window layer .* the window before"):
+        ops.rewind(lost[-1])
+    with pytest.raises(TargetError, match="sliding-window layer"):
+        ops.restore(lost[0])
+    assert [c.offset for c in caches] == offsets
+    got = [x]
+    while len(got) < len(want):
+        got.append(ops.verify_feed(got[-1], None).successors[0])
+    assert got == want
 
 
 def test_a_full_cache_under_a_sliding_layer_masks_the_same(small_steps):
