@@ -34,11 +34,6 @@ from drafting.logprobs import LogprobRows
 from drafting.rounds import HeadError, HostError, Replay, TargetError, Verification
 from drafting.session import DraftSession
 
-# A token the grammar forces (the only one its mask allows) is drafted as it is, whatever the
-# head would draw: the target's masked draw can be nothing else, so it is always accepted.
-# False drafts it from the head's masked logits like any other (a benchmark's comparison).
-FORCED_DRAFTS = True
-
 
 class MlxRoundOps:
     """``RoundOps`` over a target model, its caches, a draft session and the request's
@@ -53,6 +48,7 @@ class MlxRoundOps:
         sampler,
         logprobs: LogprobRows | None = None,
         constraint=None,
+        forced_drafts: bool = True,
     ) -> None:
         self.model = model
         self.caches = caches
@@ -66,6 +62,10 @@ class MlxRoundOps:
         # Constrained output (``runner.constraint.Constraint``): the matcher follows every fed
         # token, as the penalty history does; drafts and verify rows are masked by it.
         self.constraint = constraint
+        # A token the grammar forces (the only one its mask allows) is drafted as it is,
+        # whatever the head would draw: the target's masked draw can be nothing else, so it
+        # is always accepted. False drafts it from the head's masked logits like any other.
+        self.forced_drafts = forced_drafts
         self._x_at: int | None = None  # position of the current x once it is in the history
         self._verified: tuple[int, list[int]] | None = None  # (entry position, drafts)
 
@@ -161,7 +161,7 @@ class MlxRoundOps:
                     return None, None  # off the grammar: the verify rejects it anyway
                 consumed[0] += 1
             allowed, only = constraint.mask_or_only()
-            return allowed, only if FORCED_DRAFTS else None
+            return allowed, only if self.forced_drafts else None
 
         return constrain, consumed
 

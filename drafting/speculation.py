@@ -39,8 +39,10 @@ class Speculation:
     """The MTP head of one loaded target, its draft cache and its depth controller.
 
     ``fixed_depth`` drafts that many tokens every round instead of the adaptive depth
-    (benchmarks, tests); ``max_depth`` bounds the adaptive one. ``fault_after`` (a test hook)
-    makes the head's n-th call in every request raise, as a failing head would.
+    (benchmarks, tests); ``max_depth`` bounds the adaptive one. ``request_head`` wraps the head
+    for each request (the runner's fault seam arms a failing head with it; None: the head).
+    ``forced_drafts`` False makes a constrained round draft a grammar-forced token by the head
+    instead of as it is (a benchmark's comparison).
     """
 
     def __init__(
@@ -49,20 +51,22 @@ class Speculation:
         *,
         max_depth: int,
         fixed_depth: int | None = None,
-        fault_after: int | None = None,
+        request_head: Callable[[MTPHead], Any] | None = None,
+        forced_drafts: bool = True,
     ) -> None:
         self.head = head
         self.cache = KVCache()
         self.depth = DepthController(max_depth=max_depth)
         self.fixed_depth = fixed_depth
-        self.fault_after = fault_after
+        self.request_head = request_head
+        self.forced_drafts = forced_drafts
 
     def open(
         self, unembed: Callable[[mx.array], mx.array], cache: KVCache | None = None
     ) -> SpeculationSession:
         """A request's session, opened before prefill (``unembed``: the target's output head;
         ``cache``: the draft cache of the request's cache slot, by default the model's own)."""
-        head = self.head if self.fault_after is None else _FailingHead(self.head, self.fault_after)
+        head = self.head if self.request_head is None else self.request_head(self.head)
         draft = DraftSession(head, self.cache if cache is None else cache, unembed)
         return SpeculationSession(self, draft)
 
@@ -122,7 +126,9 @@ class SpeculationSession:
             depth = FixedDepth(fixed if speculate else 0)
         else:
             depth = self.owner.depth.session(speculative=speculate)
-        ops = MlxRoundOps(model, caches, self.draft, sampler, logprobs, constraint)
+        ops = MlxRoundOps(
+            model, caches, self.draft, sampler, logprobs, constraint, self.owner.forced_drafts
+        )
         return RoundDriver(ops, emit, cancelled, depth=depth, stats=self.stats, ledger=ledger)
 
 
@@ -139,19 +145,3 @@ def guarded(draft: DraftSession, method: str) -> Callable:
             draft.discard()
 
     return call
-
-
-class _FailingHead:
-    """The head with a fault on its ``n``-th forward (``Speculation.fault_after``)."""
-
-    def __init__(self, head: MTPHead, n: int) -> None:
-        self._head, self._left = head, n
-
-    def __call__(self, *args, **kwargs):
-        self._left -= 1
-        if self._left == 0:
-            raise RuntimeError("injected draft head fault")
-        return self._head(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._head, name)

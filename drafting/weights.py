@@ -174,74 +174,105 @@ def quantized_modules(
     and, where ``in_dims`` gives a module's input width, against the model. Errors name the
     tensor and its file."""
     quantization = quantization or Quantization(QuantSpec())
-    sources = sources or {}
+    fail = _failure(sources or {}, path, error)
     out: dict[str, tuple[int, int]] = {}
     for name in [k for k in weights if k.endswith(".scales")]:
         base = name[: -len(".scales")]
-
-        def fail(message: str, tensor: str, cls: ErrorClass = CorruptModelFile):
-            return (error or cls)(message, path=sources.get(tensor, path), tensor=tensor)
-
-        packed, scales = weights.get(base + ".weight"), weights[name]
-        biases = weights.get(base + ".biases")
-        if packed is None:
-            raise fail("quantization scales without their packed weight", name, MissingTensor)
-        if base in quantization.layers and quantization.layers[base] is None:
-            raise fail(f"{quantization.key} lists {base!r} as not quantized; it has scales", name)
-        if scales.dtype == mx.uint8:
-            raise fail(
-                "uint8 scales (an mxfp4 / nvfp4 / mxfp8 layout): only affine quantization is "
-                "implemented",
-                name,
-                UnsupportedArchitecture,
-            )
-        if not mx.issubdtype(scales.dtype, mx.floating):
-            raise fail(f"quantization scales must be floating-point, found {scales.dtype}", name)
-        if packed.dtype != mx.uint32:
-            raise fail(f"packed weights are uint32, found {packed.dtype}", base + ".weight")
-        if biases is None:
-            raise fail("affine quantization needs biases; missing", base + ".biases", MissingTensor)
-        if packed.ndim < 2 or scales.shape[:-1] != packed.shape[:-1]:
-            raise fail(
-                f"scales {tuple(scales.shape)} do not match the packed weight "
-                f"{tuple(packed.shape)}",
-                name,
-                TensorShapeMismatch,
-            )
-        if biases.shape != scales.shape:
-            raise fail(
-                f"biases {tuple(biases.shape)} do not match the scales {tuple(scales.shape)}",
-                base + ".biases",
-                TensorShapeMismatch,
-            )
-        named = quantization.layers.get(base)
-        spec = named or quantization.default
-        width, groups = packed.shape[-1] * 32, scales.shape[-1]
+        packed, scales = _checked_triple(weights, base, quantization, fail)
         in_dim = (in_dims or {}).get(base)
-        if named is None and in_dim is not None:
-            # mlx-lm's infer_quant_config: a module the config does not name has the widths
-            # its shapes give.
-            group_size, bits = in_dim // groups, width // in_dim
-        else:
-            group_size = spec.group_size or 64
-            bits = spec.bits or width // (groups * group_size)
-        stored_in = groups * group_size
-        described = f"{bits}-bit, group {group_size}"
-        if bits not in AFFINE_BITS or stored_in * bits != width:
-            raise fail(
-                f"packed weight {tuple(packed.shape)} with scales {tuple(scales.shape)} is not "
-                f"{described} affine quantization" + (f" ({quantization.key})" if named else ""),
-                base + ".weight",
-                TensorShapeMismatch,
-            )
-        if in_dim is not None and stored_in != in_dim:
-            raise fail(
-                f"{described} quantization holds {stored_in} inputs, the model expects {in_dim}",
-                base + ".weight",
-                TensorShapeMismatch,
-            )
-        out[base] = (group_size, bits)
+        out[base] = _affine_widths(base, packed, scales, quantization, in_dim, fail)
     return out
+
+
+# fail(message, tensor, cls=CorruptModelFile) -> the error to raise, naming the tensor's file.
+Failure = Callable[..., LoadError]
+
+
+def _failure(sources: Mapping[str, str], path: str | None, error: ErrorClass | None) -> Failure:
+    """The errors of one check: ``error`` when given, else the class the check names."""
+
+    def fail(message: str, tensor: str, cls: ErrorClass = CorruptModelFile) -> LoadError:
+        return (error or cls)(message, path=sources.get(tensor, path), tensor=tensor)
+
+    return fail
+
+
+def _checked_triple(
+    weights: Mapping[str, mx.array], base: str, quantization: Quantization, fail: Failure
+) -> tuple[mx.array, mx.array]:
+    """The packed weight and scales of module ``base``, once the triple is complete, affine
+    (floating scales, uint32 weights) and of matching shapes."""
+    name = base + ".scales"
+    packed, scales = weights.get(base + ".weight"), weights[name]
+    biases = weights.get(base + ".biases")
+    if packed is None:
+        raise fail("quantization scales without their packed weight", name, MissingTensor)
+    if base in quantization.layers and quantization.layers[base] is None:
+        raise fail(f"{quantization.key} lists {base!r} as not quantized; it has scales", name)
+    if scales.dtype == mx.uint8:
+        raise fail(
+            "uint8 scales (an mxfp4 / nvfp4 / mxfp8 layout): only affine quantization is "
+            "implemented",
+            name,
+            UnsupportedArchitecture,
+        )
+    if not mx.issubdtype(scales.dtype, mx.floating):
+        raise fail(f"quantization scales must be floating-point, found {scales.dtype}", name)
+    if packed.dtype != mx.uint32:
+        raise fail(f"packed weights are uint32, found {packed.dtype}", base + ".weight")
+    if biases is None:
+        raise fail("affine quantization needs biases; missing", base + ".biases", MissingTensor)
+    if packed.ndim < 2 or scales.shape[:-1] != packed.shape[:-1]:
+        raise fail(
+            f"scales {tuple(scales.shape)} do not match the packed weight {tuple(packed.shape)}",
+            name,
+            TensorShapeMismatch,
+        )
+    if biases.shape != scales.shape:
+        raise fail(
+            f"biases {tuple(biases.shape)} do not match the scales {tuple(scales.shape)}",
+            base + ".biases",
+            TensorShapeMismatch,
+        )
+    return packed, scales
+
+
+def _affine_widths(
+    base: str,
+    packed: mx.array,
+    scales: mx.array,
+    quantization: Quantization,
+    in_dim: int | None,
+    fail: Failure,
+) -> tuple[int, int]:
+    """``(group_size, bits)`` of module ``base``: the config's for a module it names, else
+    the widths the shapes give against the model's input width ``in_dim`` (mlx-lm's
+    ``infer_quant_config``), else the config's default; checked to fill the packed weight
+    and to hold ``in_dim`` inputs."""
+    named = quantization.layers.get(base)
+    spec = named or quantization.default
+    width, groups = packed.shape[-1] * 32, scales.shape[-1]
+    if named is None and in_dim is not None:
+        group_size, bits = in_dim // groups, width // in_dim
+    else:
+        group_size = spec.group_size or 64
+        bits = spec.bits or width // (groups * group_size)
+    stored_in = groups * group_size
+    described = f"{bits}-bit, group {group_size}"
+    if bits not in AFFINE_BITS or stored_in * bits != width:
+        raise fail(
+            f"packed weight {tuple(packed.shape)} with scales {tuple(scales.shape)} is not "
+            f"{described} affine quantization" + (f" ({quantization.key})" if named else ""),
+            base + ".weight",
+            TensorShapeMismatch,
+        )
+    if in_dim is not None and stored_in != in_dim:
+        raise fail(
+            f"{described} quantization holds {stored_in} inputs, the model expects {in_dim}",
+            base + ".weight",
+            TensorShapeMismatch,
+        )
+    return group_size, bits
 
 
 def dequantize(

@@ -165,7 +165,7 @@ def _load_mkl(path: str, asked: bool) -> str | None:
         _threads.apply(_threads.narrow)
         if "MKL_DYNAMIC" not in os.environ:
             # MKL would run the small per-head attention products of a prefill chunk on fewer
-            # threads; on all of them prefill is faster (scripts/bench_forward.py).
+            # threads; on all of them prefill is faster (scripts/bench/forward.py).
             lib.MKL_Set_Dynamic(0)
     return f"mkl ({path}, {layer.lower()}, threads {_threads.narrow}/{_threads.wide})"
 

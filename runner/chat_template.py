@@ -101,32 +101,61 @@ _ENV = None
 
 
 def _environment():
-    """The sandboxed environment transformers renders chat templates in (one per process)."""
+    """The sandboxed environment transformers renders chat templates in (one per process;
+    Jinja is imported on the first render)."""
     global _ENV
     if _ENV is not None:
         return _ENV
-    import jinja2
     import jinja2.ext
-    import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _generation_extension()],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        dict=_TemplateDict(),
+        namespace=_namespace_class(),
+    )
+    _ENV = env
+    return env
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
 
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
+# --- the helpers Hugging Face templates call (transformers' own, as it defines them)
 
-    class TemplateDict:
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
 
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
+def _raise_exception(message):
+    import jinja2.exceptions
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _namespace_class() -> type:
+    """``namespace`` for templates: Jinja's, refusing underscore attribute names."""
+    import jinja2.exceptions
+    import jinja2.utils
 
     class TemplateNamespace(jinja2.utils.Namespace):
         def __init__(*args, **kwargs):
@@ -146,6 +175,14 @@ def _environment():
                     f"a chat template cannot set the underscore attribute {name!r}"
                 )
 
+    return TemplateNamespace
+
+
+def _generation_extension() -> type:
+    """``{% generation %}...{% endgeneration %}`` (marks for training masks): the body."""
+    import jinja2.ext
+    import jinja2.nodes
+
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (marks for training masks): the body."""
 
@@ -160,18 +197,7 @@ def _environment():
         def _body(self, caller):
             return caller()
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, Generation]
-    )
-    env.filters["tojson"] = tojson
-    env.globals.update(
-        raise_exception=raise_exception,
-        strftime_now=strftime_now,
-        dict=TemplateDict(),
-        namespace=TemplateNamespace,
-    )
-    _ENV = env
-    return env
+    return Generation
 
 
 def _token_text(value: object) -> str | None:

@@ -18,6 +18,7 @@ from typing import BinaryIO
 import protocol
 from drafting.depth import MAX_DRAFT_DEPTH
 from runner import __version__
+from runner.faults import Faults
 
 log = logging.getLogger("mtp_runner.cli")
 
@@ -38,6 +39,15 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
     return value
+
+
+def fault_spec(text: str) -> str:
+    """One ``--inject-fault`` spec, checked (``runner.faults.Faults.parse``)."""
+    try:
+        Faults.parse([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def non_negative_int(text: str) -> int:
@@ -151,11 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=argparse.SUPPRESS,
     )
     p.add_argument("--no-compile", action="store_true", help=argparse.SUPPRESS)
-    # Hidden test hooks: a model-free engine (protocol tests, benchmark) and fault injection.
+    # Hidden test seams: a model-free engine (protocol tests, benchmark) and fault injection
+    # (runner.faults: head-call=N, token-frame=ID).
     p.add_argument("--noop-model", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--noop-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--fault-id", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--head-fault-after", type=positive_int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inject-fault", action="append", type=fault_spec, help=argparse.SUPPRESS)
     p.add_argument(
         "--max-line-bytes",
         type=positive_int,
@@ -189,7 +199,7 @@ def engine_factory(args: argparse.Namespace):
             weight_layout=args.weight_layout,
             row_layout=args.row_layout,
             compile=not args.no_compile,
-            head_fault_after=args.head_fault_after,
+            faults=Faults.parse(args.inject_fault),
             parallel=args.parallel,
         )
         return Engine(options, progress=progress)
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         writer,
         queue_limit=args.queue_limit,
         max_line_bytes=args.max_line_bytes,
-        fault_id=args.fault_id,
+        faults=Faults.parse(args.inject_fault),
     )
     stdin_fd = sys.stdin.fileno()
     status = server.serve(engine_factory(args), lambda n: os.read(stdin_fd, n), handle_signals=True)

@@ -19,27 +19,22 @@ a ``Tuning`` record; the engine reports it and nothing else probes a model for i
 - GPU: the Hugging Face layout and ``mx.fast``'s fused attention and RoPE.
 - Both: each block's fixed-shape parts ``mx.compile``d for decode and verify rows.
 
-``scripts/bench_forward.py`` measures each choice.
+``scripts/bench/forward.py`` measures each choice.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from runner import blas, native
-from runner.models.layers import add_row_layout, pack_for_cpu
-from runner.models.llama import (
-    compile_blocks,
-    fuse_projections,
-    private_arrays,
-    set_kernels,
-    to_panel_layout,
-)
+from runner.models.layers import add_row_layout, linears_to_panels, pack_for_cpu, to_panels
+from runner.models.llama import MLP, Attention, CompiledBlock, DecoderLayer, Model
 from runner.models.moe import lay_out_experts
 
 LAYOUTS = ("auto", "hf", "packed", "panels")
@@ -104,34 +99,18 @@ def tune(
     whose width allows it in the native few-row product's panels). ``row_layout`` None:
     where the BLAS gains from it. ``fast_kernels`` None: on a GPU only (tests force either
     path on the CPU). ``expert_layout`` "hf" keeps a MoE model's routed experts as loaded
-    (``scripts/bench_moe.py`` measures the layouts against each other); None: they follow
+    (``scripts/bench/moe.py`` measures the layouts against each other); None: they follow
     ``layout`` (``runner.models.moe.lay_out_experts``).
     """
     if expert_layout not in (None, "hf"):
         raise ValueError(f"expert_layout must be None or 'hf', not {expert_layout!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     cpu = on_cpu()
-    if layout == "auto":
-        layout = ("panels" if native.available() else "packed") if cpu else "hf"
-    if layout == "panels" and not (cpu and native.available()):
-        raise ValueError(f"the panel layout needs runner.native on the CPU: {native.reason()}")
+    layout = resolve_layout(layout, cpu)
     fast = (not cpu) if fast_kernels is None else fast_kernels
     parts = [model] + ([head] if head is not None else [])
     for part in parts:
         set_kernels(part, fast)
-    if layout in ("packed", "panels"):
-        model.pack_for_cpu()
-        if head is not None:
-            pack_for_cpu(head)
-            fuse_projections(head)
-            mx.eval([v for _, v in private_arrays(head)], head.parameters())
-    if layout == "panels":
-        for part in parts:
-            to_panel_layout(part)
-    if layout in ("packed", "panels") and expert_layout != "hf":
-        for part in parts:
-            lay_out_experts(part, layout)
+    _lay_out_weights(model, head, layout, expert_layout)
     rows = False
     if head is not None and layout == "packed":
         rows = blas.row_layout_pays() if row_layout is None else row_layout
@@ -147,3 +126,119 @@ def tune(
         compiled=compile,
         fast_kernels=fast,
     )
+
+
+def resolve_layout(layout: str, cpu: bool) -> str:
+    """The weight layout ``layout`` names on this device ("auto": panels on the CPU when
+    ``runner.native`` is built, else packed; the Hugging Face layout on a GPU); a layout
+    that is unknown or that the device cannot run is a ``ValueError``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    if layout == "auto":
+        layout = ("panels" if native.available() else "packed") if cpu else "hf"
+    if layout == "panels" and not (cpu and native.available()):
+        raise ValueError(f"the panel layout needs runner.native on the CPU: {native.reason()}")
+    return layout
+
+
+def _lay_out_weights(
+    model: nn.Module, head: nn.Module | None, layout: str, expert_layout: str | None
+) -> None:
+    """The weight steps of ``tune``, in their order: packed (and fused) weights, then the
+    panels of the native product, then the routed experts' layout."""
+    parts = [model] + ([head] if head is not None else [])
+    if layout in ("packed", "panels"):
+        _pack_model(model)
+        if head is not None:
+            pack_for_cpu(head)
+            fuse_projections(head)
+            mx.eval([v for _, v in private_arrays(head)], head.parameters())
+    if layout == "panels":
+        for part in parts:
+            to_panel_layout(part)
+    if layout in ("packed", "panels") and expert_layout != "hf":
+        for part in parts:
+            lay_out_experts(part, layout)
+
+
+# --- the steps (each walks the modules below the one it is given)
+
+
+def _pack_model(model: nn.Module) -> None:
+    """Store a target's dense weights transposed for fast one-row products
+    (``runner.models.layers.pack_for_cpu``), fuse its projections, and give a tied output
+    projection its own ``[D, V]`` copy (lookups need the ``[V, D]`` table, the product wants
+    ``[D, V]`` contiguous)."""
+    pack_for_cpu(model)
+    fuse_projections(model)
+    embed = model.model.embed_tokens
+    if model.args.tie_word_embeddings and type(embed) is nn.Embedding:
+        model._embed_t = mx.contiguous(embed.weight.T)
+    mx.eval([v for _, v in private_arrays(model)])
+
+
+def fuse_projections(module: nn.Module) -> int:
+    """Fuse the packed q/k/v and gate/up projections of every block below ``module``; return
+    how many products were fused: fewer, larger BLAS calls (scripts/bench/forward.py)."""
+    return sum(
+        child.fuse() for _, child in module.named_modules() if isinstance(child, Attention | MLP)
+    )
+
+
+def to_panel_layout(module: nn.Module) -> int:
+    """Every packed product below ``module`` (fused ones, plain linears, a tied model's output
+    projection) in the panel layout of ``runner.native``; returns how many products."""
+    count = sum(
+        child.fused_to_panels()
+        for _, child in module.named_modules()
+        if isinstance(child, Attention | MLP)
+    )
+    count += linears_to_panels(module)
+    for _, child in module.named_modules():
+        if isinstance(child, Model) and "_embed_t" in child:
+            panels = to_panels(child._embed_t)
+            if panels is not None:
+                child._embed_t = panels
+                count += 1
+    mx.eval([v for _, v in private_arrays(module)])
+    return count
+
+
+def private_arrays(module: nn.Module) -> Iterator[tuple[str, mx.array]]:
+    """Arrays kept outside ``parameters()`` (underscore keys), e.g. packed weights."""
+    for _, child in module.named_modules():
+        for key, value in child.items():
+            if key.startswith("_") and isinstance(value, mx.array):
+                yield key, value
+
+
+def set_kernels(module: nn.Module, fast: bool) -> None:
+    """Attention and RoPE below ``module`` through ``mx.fast`` (``fast``) or the composed
+    kernels; both compute the same values (tests compare them)."""
+    for _, child in module.named_modules():
+        if isinstance(child, Attention):
+            child.fast = fast
+            child.rope.fast = fast
+
+
+def compile_blocks(module: nn.Module) -> int:
+    """Compile the fixed-shape parts of every block below ``module``
+    (``runner.models.llama.DecoderLayer``); return how many blocks. A compiled part replays
+    its graph without Python graph building and MLX fuses its elementwise ops
+    (scripts/bench/forward.py measures the gain)."""
+    count = 0
+    for _, child in module.named_modules():
+        if isinstance(child, DecoderLayer):
+            child.compiled = CompiledBlock(child)
+            count += 1
+    return count
+
+
+def uncompile_blocks(module: nn.Module) -> int:
+    """Drop the compiled parts below ``module`` (before changing weights); return how many."""
+    count = 0
+    for _, child in module.named_modules():
+        if isinstance(child, DecoderLayer) and child.compiled is not None:
+            child.compiled = None
+            count += 1
+    return count

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -23,6 +23,7 @@ from drafting.speculation import Speculation
 from runner import blas, device
 from runner.batch import Scheduler
 from runner.cache_slot import CacheSlot
+from runner.faults import Faults
 from runner.heads import load_draft_head
 from runner.loader import LoadedModel, load_model
 from runner.models import feed_dependent
@@ -69,7 +70,7 @@ class EngineOptions:
     row_layout: bool | None = None
     # Compile the fixed-shape parts of each block for decode and verify rows (runner.device).
     compile: bool = True
-    head_fault_after: int | None = None  # test hook: the head fails on its n-th call a request
+    faults: Faults = field(default_factory=Faults)  # the test seam (runner.faults)
     # Completions decoded at once, rows of one forward (runner.batch); 1: one at a time.
     parallel: int = 1
 
@@ -125,7 +126,7 @@ class Engine:
                 head,
                 max_depth=options.max_draft,
                 fixed_depth=options.draft_depth,
-                fault_after=options.head_fault_after,
+                request_head=options.faults.request_head(),
             )
         log.info("device tuning: %s", self.tuning.describe())
         self.parallel, self.parallel_detail = self._parallel(options.parallel)

@@ -174,27 +174,71 @@ def load_model(
         keep_quantized = mx.default_device() != mx.cpu
     target_dtype = _parse_dtype(dtype)
     report = progress or (lambda stage, done, total: None)
-    if os.path.isfile(path):
-        if not path.endswith(".gguf"):
-            with open(path, "rb") as f:
-                if f.read(4) != b"GGUF":
-                    raise CorruptModelFile("not a GGUF file or model directory", path=path)
-        config, weights, tokenizer, name, template = gguf.read_checkpoint(path, report)
-        model = build_model(config, path=path)
-        sources, quantization = {}, Quantization(QuantSpec(gguf.GROUP_SIZE), key="GGUF")
-    else:
-        config_path = os.path.join(path, "config.json")
-        config = read_json(config_path)
-        # Refuse before reading any weights.
-        model = build_model(config, path=config_path)
-        quantization = Quantization.from_config(config, path=config_path)
-        weights, sources, tokenizer, name = _read_directory(path, config, report)
-        template = _directory_template(path)
-        if config_reader.is_nested(config):
-            weights = {text_name(k): v for k, v in weights.items()}
-            sources = {text_name(k): v for k, v in sources.items()}
-            if quantization is not None:
-                quantization = quantization.renamed(text_name)
+    read = _read_gguf(path, report) if os.path.isfile(path) else _read_hf(path, report)
+    quantized, extras = _load_weights(read, path, keep_quantized, target_dtype, report)
+    report("ready", 1, 1)
+    return LoadedModel(
+        model=read.model,
+        tokenizer=read.tokenizer,
+        config=read.config,
+        name=str(read.name),
+        path=path,
+        context_length=int(read.model.args.max_position_embeddings),
+        dtype=target_dtype,
+        quantized=quantized,
+        extra_weights=extras,
+        chat_template=read.template,
+    )
+
+
+@dataclass
+class _Checkpoint:
+    """A checkpoint as read: its model built (uninitialised) from its config, which refused
+    what it must before any weight was read, and its tensors with the file each came from."""
+
+    config: dict
+    model: Model
+    weights: dict[str, mx.array]
+    sources: dict[str, str]
+    tokenizer: Tokenizer
+    name: object
+    template: ChatTemplate | None
+    quantization: Quantization | None
+
+
+def _read_gguf(path: str, report: Progress) -> _Checkpoint:
+    if not path.endswith(".gguf"):
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CorruptModelFile("not a GGUF file or model directory", path=path)
+    config, weights, tokenizer, name, template = gguf.read_checkpoint(path, report)
+    model = build_model(config, path=path)
+    quantization = Quantization(QuantSpec(gguf.GROUP_SIZE), key="GGUF")
+    return _Checkpoint(config, model, weights, {}, tokenizer, name, template, quantization)
+
+
+def _read_hf(path: str, report: Progress) -> _Checkpoint:
+    config_path = os.path.join(path, "config.json")
+    config = read_json(config_path)
+    # Refuse before reading any weights.
+    model = build_model(config, path=config_path)
+    quantization = Quantization.from_config(config, path=config_path)
+    weights, sources, tokenizer, name = _read_directory(path, config, report)
+    template = _directory_template(path)
+    if config_reader.is_nested(config):
+        weights = {text_name(k): v for k, v in weights.items()}
+        sources = {text_name(k): v for k, v in sources.items()}
+        if quantization is not None:
+            quantization = quantization.renamed(text_name)
+    return _Checkpoint(config, model, weights, sources, tokenizer, name, template, quantization)
+
+
+def _load_weights(
+    read: _Checkpoint, path: str, keep_quantized: bool, dtype: mx.Dtype, report: Progress
+) -> tuple[bool, dict[str, mx.array]]:
+    """Load the checkpoint's tensors into its model (kept quantized, or dequantized to
+    ``dtype``); return whether the model stays quantized and the tensors it does not use."""
+    model, weights, sources = read.model, read.weights, read.sources
     prepare = getattr(model, "prepare_weights", None)
     if prepare is not None:  # a family's own checkpoint conventions (runner/models/qwen3_5.py)
         weights, sources = prepare(weights, sources)
@@ -206,28 +250,16 @@ def load_model(
     # their own loader, which reports their faults without failing the target.
     widths = input_widths(model)
     own = {k: v for k, v in weights.items() if k.rpartition(".")[0] in widths}
-    specs = quantized_modules(own, quantization, in_dims=widths, path=path, sources=sources)
+    specs = quantized_modules(own, read.quantization, in_dims=widths, path=path, sources=sources)
     quantized = bool(specs)
     if quantized and keep_quantized:
         quantize_model(model, weights, specs)
     elif quantized:
         report("dequantize", 0, 1)
         dequantize(weights, specs=specs, path=path, sources=sources)
-    extras = check_and_load(model, weights, path=path, sources=sources, dtype=target_dtype)
+    extras = check_and_load(model, weights, path=path, sources=sources, dtype=dtype)
     refuse_unused_parameters(model, extras, sources, path)
-    report("ready", 1, 1)
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        config=config,
-        name=str(name),
-        path=path,
-        context_length=int(model.args.max_position_embeddings),
-        dtype=target_dtype,
-        quantized=quantized and keep_quantized,
-        extra_weights=extras,
-        chat_template=template,
-    )
+    return quantized and keep_quantized, extras
 
 
 def _directory_template(directory: str) -> ChatTemplate | None:

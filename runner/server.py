@@ -59,6 +59,7 @@ from protocol import (
     TokensFrame,
 )
 from protocol.errors import CodedError, error_frame
+from runner.faults import Faults
 
 if TYPE_CHECKING:
     from runner.batch import Scheduler, ServedEngine
@@ -152,22 +153,18 @@ class Job:
     token_frames: int = 0
 
 
-class InjectedFault(RuntimeError):
-    """Raised by the hidden `--fault-id` hook to test the internal-error path end to end."""
-
-
 class Server:
     def __init__(
         self,
         writer: FrameWriter,
         queue_limit: int = 64,
         max_line_bytes: int = protocol.MAX_LINE_BYTES,
-        fault_id: str | None = None,
+        faults: Faults | None = None,
     ) -> None:
         self.writer = writer
         self.queue_limit = queue_limit
         self.max_line_bytes = max_line_bytes
-        self.fault_id = fault_id
+        self.faults = faults or Faults()
         self.engine: ServedEngine | None = None
         # Re-entrant: cancel_all writes while holding it, and a broken pipe found by that write
         # calls cancel_all again on the same thread.
@@ -375,10 +372,9 @@ class Server:
                 # done, never silence; one taken after this point gets unknown_id.
                 if job.cancel.is_set() and frame.done_reason not in ("cancelled", "error"):
                     frame = msgspec.structs.replace(frame, done_reason="cancelled")
-        elif isinstance(frame, protocol.Token) and self.fault_id == job.request.id:
+        elif isinstance(frame, protocol.Token):
             job.token_frames += 1
-            if job.token_frames == 2:
-                raise InjectedFault("fault injected after the first token (--fault-id)")
+            self.faults.on_token_frame(job.request.id, job.token_frames)
         self.writer.write(frame)
 
     # ------------------------------------------------------------------ reader thread

@@ -33,6 +33,8 @@ from runner.models.llama import MLP, DecoderLayer
 class RunnerTarget:
     """A loaded model as the trainer's target (``drafting.training.target.Target``)."""
 
+    takes_layer_hook: bool = False  # its ``hidden`` feeds a whole batch (no ``on_layer``)
+
     def __init__(self, path: str, *, tune: bool = True) -> None:
         self.path = path
         try:

@@ -4,8 +4,8 @@
 
 A mix of valid requests (greedy, seeded sampled, stop strings, logprobs, think budgets, long
 prompts, with and without speculation), fuzzed lines (paced to ``--fuzz-per-minute``: 10,000
-in the default 10 minutes), random cancels, injected head faults
-(the hidden ``--head-fault-after``) and a small ``--cache-bytes``. Checked as it goes:
+in the default 10 minutes), random cancels, injected head faults (the runner's hidden
+``--inject-fault head-call=N``) and a small ``--cache-bytes``. Checked as it goes:
 
 - every completion gets exactly one ``done`` and nothing after it;
 - streamed generated ids equal ``eval_tokens`` (forced close markers aside; a stop string's
@@ -346,8 +346,8 @@ def main() -> int:
         args.model or default_model_path(),
         "--cache-bytes",
         str(args.cache_bytes),
-        "--head-fault-after",
-        str(args.head_fault_after),
+        "--inject-fault",
+        f"head-call={args.head_fault_after}",
     ]
     runner = Runner(cmd, os.path.join(RESULTS_DIR, f"soak-{stamp}.stderr.log"))
     started = time.monotonic()

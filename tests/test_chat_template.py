@@ -1,5 +1,5 @@
 """Chat messages through the model's own template: the runner's rendering against
-transformers' ``apply_chat_template`` (fixtures from ``scripts/reference_templates.py``), the
+transformers' ``apply_chat_template`` (fixtures from ``scripts/fixtures/templates.py``), the
 template's sources in a checkpoint, and ``messages`` over real pipes."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 inline MTP heads (a sparse block inside ``mtp.layers.0``) drafting losslessly.
 
 Fixtures: ``tests/fixtures/reference/moe/{qwen3_5_moe,qwen3_5_moe_mlx,qwen3_next_moe}``
-(``scripts/reference_hybrid_moe.py``): the released Qwen3.5-MoE layout (fused experts, nested
+(``scripts/fixtures/hybrid_moe.py``): the released Qwen3.5-MoE layout (fused experts, nested
 ``text_config``, a vision tower), mlx-lm's conversion of it (``switch_mlp``, head dropped), and
 a per-expert Qwen3-Next with one dense layer (``mlp_only_layers``) and ``norm_topk_prob``
 false.

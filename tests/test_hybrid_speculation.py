@@ -26,6 +26,7 @@ from cache.recurrent import RecurrentCache
 from drafting.head import HeadConfig
 from drafting.rounds import TargetError
 from runner.engine import Engine, EngineOptions
+from runner.faults import Faults
 from tests.test_engine import complete
 from tests.test_hybrid_models import FIXTURES, reference
 
@@ -479,7 +480,7 @@ def test_a_head_failure_mid_request_never_fails_it(plain_vl):
     """The head fails on its 3rd call: the request goes on target-only, the caches are levelled
     where every cache (recurrent layers included) can go, and the output is plain's."""
     path = reference("qwen3_5_vl").path
-    engine = Engine(EngineOptions(model_path=str(path), draft_depth=2, head_fault_after=3))
+    engine = Engine(EngineOptions(model_path=str(path), draft_depth=2, faults=Faults(head_call=3)))
     for prompt in reference("qwen3_5_vl").prompts:
         want, _, _, _ = complete(plain_vl, tokens=prompt, num_predict=20, **GREEDY)
         got, _, done, _ = complete(engine, tokens=prompt, num_predict=20, **GREEDY)

@@ -160,8 +160,8 @@ def test_row_layout_serves_verify_rows_with_the_same_results(checkpoint_factory)
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])  # plain, biases, qk-norm
 def test_fused_projections_compute_what_the_separate_ones_do(checkpoint_factory, model_type):
+    from runner.device import fuse_projections
     from runner.models.layers import dense_weight
-    from runner.models.llama import fuse_projections
 
     path = checkpoint_factory(model_type)
     separate = load_model(path).model
@@ -306,7 +306,8 @@ def test_attention_masks_agree_with_mlx_attention(tiny_checkpoint):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])  # plain, biases, qk-norm
 def test_compiled_blocks_compute_what_the_eager_ones_do(checkpoint_factory, model_type):
-    from runner.models.llama import COMPILED_MAX_ROWS, compile_blocks, uncompile_blocks
+    from runner.device import compile_blocks, uncompile_blocks
+    from runner.models.llama import COMPILED_MAX_ROWS
 
     path = checkpoint_factory(model_type)
     eager = packed(path)

@@ -1,7 +1,7 @@
 """The MoE families (qwen3_moe, glm4_moe with its MTP layer) against transformers, and the sparse
 block's own contract.
 
-The fixtures under ``tests/fixtures/reference/moe/`` (``scripts/reference_moe.py``) hold each
+The fixtures under ``tests/fixtures/reference/moe/`` (``scripts/fixtures/moe.py``) hold each
 model in three expert layouts (per expert as transformers 5.24 saves it, transformers 5's
 fused ``gate_up_proj``, mlx-lm's ``switch_mlp``) with transformers' logits and greedy tokens;
 the GLM cases also carry an MTP layer (``model.layers.{N}``) and its logits computed with
@@ -27,12 +27,12 @@ from drafting.session import DraftSession
 from protocol.errors import CorruptModelFile, MissingTensor, UnsupportedArchitecture
 from protocol.requests import Completion, Options
 from runner import device, native
+from runner.device import fuse_projections, to_panel_layout
 from runner.engine import Engine, EngineOptions
 from runner.heads import load_draft_head
 from runner.loader import load_model
 from runner.models import build_model, moe
 from runner.models.layers import pack_for_cpu
-from runner.models.llama import fuse_projections, to_panel_layout
 from tests.test_reference_models import ATOL, check_model, reference
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference" / "moe"

@@ -18,9 +18,10 @@ import pytest
 
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture
 from runner import device, native
+from runner.device import compile_blocks
 from runner.loader import load_model
 from runner.models import build_model, gemma, head_layer
-from runner.models.llama import DecoderLayer, compile_blocks
+from runner.models.llama import DecoderLayer
 from tests.test_reference_models import check_model, reference
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference"

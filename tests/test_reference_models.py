@@ -2,7 +2,7 @@
 
 Every directory under ``tests/fixtures/reference/`` is a tiny random checkpoint plus what
 transformers computed for it (float32, eager attention; see that folder's README.md and
-``scripts/make_reference_checkpoints.py``, which is the only place torch and transformers are
+``scripts/fixtures/checkpoints.py``, which is the only place torch and transformers are
 used: this file needs neither). For each case and each of three prompts:
 
 - the logits of the last prompt position after a prefill agree within ``ATOL`` (absolute);

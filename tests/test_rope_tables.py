@@ -1,6 +1,6 @@
 """RoPE against transformers' own ``ROPE_INIT_FUNCTIONS``: the inverse frequencies and the
 attention factor of every variant, for every sequence length a forward may end at
-(``tests/fixtures/reference/rope_tables.json``, written by ``scripts/make_rope_tables.py`` in
+(``tests/fixtures/reference/rope_tables.json``, written by ``scripts/fixtures/rope_tables.py`` in
 the reference environment), read through the config reader from both config layouts, and the
 rotation both kernels apply with them."""
 

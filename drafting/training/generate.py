@@ -10,8 +10,11 @@ in NumPy. Generation uses every core in one process (the forward's products are 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -96,70 +99,150 @@ def generate_batch(
     """Generate one answer per prompt (row temperature 0 = greedy), capturing hiddens (and
     the residual streams after ``feature_layers`` layers, for heads that fuse them)."""
     rng = np.random.default_rng(seed)
-    batch = len(prompts)
-    lengths = np.array([len(p) for p in prompts])
-    width = int(lengths.max())
-    pads = width - lengths
-    grid = np.full((batch, width), pad_id, dtype=np.int64)
-    for b, p in enumerate(prompts):
-        grid[b, pads[b] :] = p
+    padded = PaddedPrompts.of(prompts, prompt_ids, pad_id)
+    width, pads = padded.width, padded.pads
     temps = np.asarray(temperatures, dtype=np.float32)
-    cache = target.new_cache(batch, width + max_new_tokens)
+    sample = functools.partial(draw, top_k=top_k, rng=rng, top_p=top_p)
+    cache = target.new_cache(len(prompts), width + max_new_tokens)
     layers = tuple(feature_layers)
-    hidden, feats = target.hidden_features(grid, cache, 0, prefill_mask(pads, width), layers)
-    nxt, amax = draw(target.logits(hidden[:, -1]), temps, top_k, rng, top_p)
+    hidden, feats = target.hidden_features(padded.grid, cache, 0, prefill_mask(pads, width), layers)
+    nxt, first_argmax = sample(target.logits(hidden[:, -1]), temps)
     prompt_h = hidden.astype(np.float16)
     prompt_f = feats.astype(np.float16) if layers else None
-    first_argmax = amax
-    out_tokens = [[int(t)] for t in nxt]
-    out_h: list[list[np.ndarray]] = [[] for _ in range(batch)]
-    out_f: list[list[np.ndarray]] = [[] for _ in range(batch)]
-    out_a: list[list[int]] = [[] for _ in range(batch)]
-    rows = np.arange(batch)  # rows[i] = original index of live batch row i
-    done = np.array([out_tokens[b][0] in eos_ids for b in range(batch)])
-    offset = width
-    for _ in range(max_new_tokens - 1):
-        live = ~done[rows]
+    answers = Answers.starting(nxt, eos_ids)
+    steps = max_new_tokens - 1
+    decode(target, cache, answers, padded, temps, sample, steps, eos_ids, layers)
+    return sequences(padded, temps, prompt_h, prompt_f, first_argmax, answers)
+
+
+@dataclass
+class PaddedPrompts:
+    """A batch of prompts left-padded to the longest one."""
+
+    tokens: list[list[int]]
+    ids: list[int]  # each prompt's index in the plan
+    lengths: np.ndarray
+    pads: np.ndarray  # pad columns ahead of each prompt
+    grid: np.ndarray  # int64 [B, width]
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], ids: list[int], pad_id: int) -> PaddedPrompts:
+        lengths = np.array([len(p) for p in prompts])
+        width = int(lengths.max())
+        pads = width - lengths
+        grid = np.full((len(prompts), width), pad_id, dtype=np.int64)
+        for b, p in enumerate(prompts):
+            grid[b, pads[b] :] = p
+        return cls(prompts, ids, lengths, pads, grid)
+
+    @property
+    def width(self) -> int:
+        return self.grid.shape[1]
+
+
+@dataclass
+class Answers:
+    """What decoding records per prompt: the answer's tokens, and for every answer token fed
+    back its hidden, its streams (fused-feature heads) and its argmax."""
+
+    tokens: list[list[int]]
+    hiddens: list[list[np.ndarray]]
+    features: list[list[np.ndarray]]
+    argmax: list[list[int]]
+    done: np.ndarray  # bool [B]: the answer ended with an EOS token
+
+    @classmethod
+    def starting(cls, first: np.ndarray, eos_ids: set[int]) -> Answers:
+        """Answers holding their first token, drawn after the prompt."""
+        batch = len(first)
+        tokens = [[int(t)] for t in first]
+        done = np.array([tokens[b][0] in eos_ids for b in range(batch)])
+        empty = [[] for _ in range(batch)], [[] for _ in range(batch)], [[] for _ in range(batch)]
+        return cls(tokens, *empty, done)
+
+    def record(
+        self,
+        rows: np.ndarray,
+        h16: np.ndarray,
+        f16: np.ndarray | None,
+        amax: np.ndarray,
+        nxt: np.ndarray,
+        eos_ids: set[int],
+    ) -> None:
+        """One decode step of the live batch rows (``rows[i]``: row i's prompt)."""
+        for i, r in enumerate(rows):
+            if self.done[r]:
+                continue
+            self.hiddens[r].append(h16[i])
+            if f16 is not None:
+                self.features[r].append(f16[i])
+            self.argmax[r].append(int(amax[i]))
+            self.tokens[r].append(int(nxt[i]))
+            self.done[r] = int(nxt[i]) in eos_ids
+
+
+def decode(
+    target: Target,
+    cache: list,
+    answers: Answers,
+    padded: PaddedPrompts,
+    temps: np.ndarray,
+    sample: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+    steps: int,
+    eos_ids: set[int],
+    layers: tuple[int, ...],
+) -> None:
+    """Up to ``steps`` one-token steps after the prompts (``cache`` holds them), until every
+    answer has ended; finished rows leave the batch once a quarter of it has finished."""
+    rows = np.arange(len(padded.tokens))  # rows[i] = original index of live batch row i
+    offset = padded.width
+    for _ in range(steps):
+        live = ~answers.done[rows]
         if not live.any():
             break
         if live.sum() <= 0.75 * len(rows):  # drop finished rows from the batch
             keep = np.nonzero(live)[0]
             rows = rows[keep]
             target.keep_rows(cache, keep)
-        feed = np.array([[out_tokens[r][-1]] for r in rows], dtype=np.int64)
-        h, f = target.hidden_features(
-            feed, cache, offset, step_mask(pads[rows], offset + 1), layers
-        )
+        feed = np.array([[answers.tokens[r][-1]] for r in rows], dtype=np.int64)
+        mask = step_mask(padded.pads[rows], offset + 1)
+        h, f = target.hidden_features(feed, cache, offset, mask, layers)
         h = h[:, 0]
         f16 = f[:, 0].astype(np.float16) if layers else None
         offset += 1
-        nxt, amax = draw(target.logits(h), temps[rows], top_k, rng, top_p)
-        h16 = h.astype(np.float16)
-        for i, r in enumerate(rows):
-            if done[r]:
-                continue
-            out_h[r].append(h16[i])
-            if layers:
-                out_f[r].append(f16[i])
-            out_a[r].append(int(amax[i]))
-            out_tokens[r].append(int(nxt[i]))
-            done[r] = int(nxt[i]) in eos_ids
+        nxt, amax = sample(target.logits(h), temps[rows])
+        answers.record(rows, h.astype(np.float16), f16, amax, nxt, eos_ids)
+
+
+def sequences(
+    padded: PaddedPrompts,
+    temps: np.ndarray,
+    prompt_h: np.ndarray,
+    prompt_f: np.ndarray | None,
+    first_argmax: np.ndarray,
+    answers: Answers,
+) -> list[Sequence]:
+    """Each prompt with its answer as a ``Sequence``: the hiddens (and streams) of every fed
+    position, pads dropped, and the argmax after the prompt's last token and every answer
+    token fed back (-1 inside the prompt)."""
     seqs = []
-    for b in range(batch):
-        hs = [prompt_h[b, pads[b] :]] + ([np.stack(out_h[b])] if out_h[b] else [])
+    for b in range(len(padded.tokens)):
+        pad, length = padded.pads[b], int(padded.lengths[b])
+        hs = [prompt_h[b, pad:]] + ([np.stack(answers.hiddens[b])] if answers.hiddens[b] else [])
         fs = None
-        if layers:
-            fs = [prompt_f[b, pads[b] :]] + ([np.stack(out_f[b])] if out_f[b] else [])
-        amax_prompt = np.full(int(lengths[b]), -1, dtype=np.int32)
+        if prompt_f is not None:
+            fs = [prompt_f[b, pad:]]
+            fs += [np.stack(answers.features[b])] if answers.features[b] else []
+        amax_prompt = np.full(length, -1, dtype=np.int32)
         amax_prompt[-1] = first_argmax[b]
         seqs.append(
             Sequence(
-                prompt_index=prompt_ids[b],
+                prompt_index=padded.ids[b],
                 temperature=float(temps[b]),
-                prompt_len=int(lengths[b]),
-                tokens=np.array(list(prompts[b]) + out_tokens[b], dtype=np.int32),
+                prompt_len=length,
+                tokens=np.array(list(padded.tokens[b]) + answers.tokens[b], dtype=np.int32),
                 hiddens=np.concatenate(hs, axis=0),
-                argmax=np.concatenate([amax_prompt, np.array(out_a[b], dtype=np.int32)]),
+                argmax=np.concatenate([amax_prompt, np.array(answers.argmax[b], dtype=np.int32)]),
                 features=np.concatenate(fs, axis=0) if fs else None,
             )
         )

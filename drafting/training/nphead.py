@@ -12,6 +12,9 @@ products want (``x @ W``) and converted to and from the head's Hugging Face name
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import mlx.core as mx
 import numpy as np
 
@@ -51,6 +54,17 @@ def rms_backward(dy: np.ndarray, x: np.ndarray, r: np.ndarray, w: np.ndarray):
     g = dy * w
     dx = r * (g - xr * np.mean(g * xr, axis=-1, keepdims=True))
     return dx, dw
+
+
+def dropped(
+    x: np.ndarray, rate: float, rng: np.random.Generator | None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``x`` with a fraction ``rate`` of its entries zeroed and the rest rescaled, and the
+    mask that did it (None, and ``x`` itself, for no dropout)."""
+    if not rate:
+        return x, None
+    keep = (rng.random(x.shape, dtype=np.float32) >= rate) / np.float32(1 - rate)
+    return x * keep, keep
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
@@ -131,28 +145,42 @@ class NumpyHead:
         rows: np.ndarray,
         dropout: float = 0.0,
         rng: np.random.Generator | None = None,
-    ):
+    ) -> tuple[np.ndarray, dict]:
         """Draft-vocabulary logits ``[N, Vd]`` at flat positions ``rows`` of ``[B, L]``, and
         the activations the backward pass needs. ``dropout`` (training only) zeroes that
-        fraction of the attention output and of the MLP's hidden units, rescaling the rest."""
+        fraction of the attention output and of the MLP's hidden units, rescaling the rest
+        (the attention's mask drawn first)."""
+        drop = functools.partial(dropped, rate=dropout, rng=rng)
+        cache: dict = {"shape": tokens.shape, "rows": rows}
+        x0 = self._fused_input(tokens, hiddens, cache)
+        x1 = self._attention(x0, drop, cache)
+        x2 = self._mlp(x1, drop, cache)
+        x2r = x2[rows]
+        y, r_y = rms_forward(x2r, self.params["norm"], self.eps)
+        cache.update(x2r=x2r, r_y=r_y, y=y)
+        return y @ self.out_t, cache
+
+    def _fused_input(self, tokens: np.ndarray, hiddens: np.ndarray, cache: dict) -> np.ndarray:
+        """``fc([norm_e(embed(tokens)), norm_h(hiddens)])``, the block's input ``[B * L, D]``."""
         p, eps = self.params, self.eps
-
-        def drop(x: np.ndarray):
-            if not dropout:
-                return x, None
-            keep = (rng.random(x.shape, dtype=np.float32) >= dropout) / np.float32(1 - dropout)
-            return x * keep, keep
-
         batch, length = tokens.shape
-        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
-        rep = nh // nkv
         e = self.embed[tokens.reshape(-1)]
         h = hiddens.reshape(batch * length, -1).astype(np.float32)
         en, r_e = rms_forward(e, p["norm_e"], eps)
         hn, r_h = rms_forward(h, p["norm_h"], eps)
         c = np.concatenate([en, hn], axis=-1)
         x0 = c @ p["fc"]
-        a, r_1 = rms_forward(x0, p["ln1"], eps)
+        cache.update(e=e, h=h, r_e=r_e, r_h=r_h, c=c, x0=x0)
+        return x0
+
+    def _queries_keys_values(
+        self, a: np.ndarray, cache: dict
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q, k, v ``[B, heads, L, hd]`` of the normed rows ``a``, q and k normed per head
+        (where the layer has q/k norms) and rotated."""
+        p, eps = self.params, self.eps
+        batch, length = cache["shape"]
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         qkv = a @ p["qkv"]
         if "qkv_b" in p:
             qkv = qkv + p["qkv_b"]
@@ -167,7 +195,18 @@ class NumpyHead:
             qn_state, kn_state = (q_pre, r_q), (k_pre, r_k)
         cos, sin = self._rope_table(length)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        qg = q.reshape(batch, nkv, rep, length, hd)
+        cache.update(q=q, k=k, v=v, qn=qn_state, kn=kn_state, cos=cos, sin=sin)
+        return q, k, v
+
+    def _attention(self, x0: np.ndarray, drop: Callable, cache: dict) -> np.ndarray:
+        """The residual stream after the attention: ``x0 + o_proj(attention(ln1(x0)))``,
+        grouped-query and causal from position 0."""
+        p = self.params
+        batch, length = cache["shape"]
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        a, r_1 = rms_forward(x0, p["ln1"], self.eps)
+        q, k, v = self._queries_keys_values(a, cache)
+        qg = q.reshape(batch, nkv, nh // nkv, length, hd)
         kg, vg = k[:, :, None], v[:, :, None]
         scores = np.matmul(qg, kg.swapaxes(-1, -2)) * self.scale
         causal = np.triu(np.full((length, length), -np.inf, dtype=np.float32), 1)
@@ -181,7 +220,13 @@ class NumpyHead:
         x1 = x0 + o_in @ p["o"]
         if "o_b" in p:
             x1 = x1 + p["o_b"]
-        m, r_2 = rms_forward(x1, p["ln2"], eps)
+        cache.update(r_1=r_1, a=a, probs=probs, o_in=o_in, x1=x1, keep_o=keep_o)
+        return x1
+
+    def _mlp(self, x1: np.ndarray, drop: Callable, cache: dict) -> np.ndarray:
+        """The residual stream after the SwiGLU MLP: ``x1 + down(silu(gate) * up)``."""
+        p = self.params
+        m, r_2 = rms_forward(x1, p["ln2"], self.eps)
         gu = m @ p["gate_up"]
         if "gate_up_b" in p:
             gu = gu + p["gate_up_b"]
@@ -194,43 +239,8 @@ class NumpyHead:
         x2 = x1 + act @ p["down"]
         if "down_b" in p:
             x2 = x2 + p["down_b"]
-        x2r = x2[rows]
-        y, r_y = rms_forward(x2r, p["norm"], eps)
-        logits = y @ self.out_t
-        cache = dict(
-            shape=(batch, length),
-            rows=rows,
-            e=e,
-            h=h,
-            r_e=r_e,
-            r_h=r_h,
-            c=c,
-            x0=x0,
-            r_1=r_1,
-            a=a,
-            q=q,
-            k=k,
-            v=v,
-            qn=qn_state,
-            kn=kn_state,
-            cos=cos,
-            sin=sin,
-            probs=probs,
-            o_in=o_in,
-            x1=x1,
-            m=m,
-            r_2=r_2,
-            g=g,
-            u=u,
-            sig=sig,
-            act=act,
-            x2r=x2r,
-            r_y=r_y,
-            y=y,
-            keep_o=keep_o,
-            keep_act=keep_act,
-        )
-        return logits, cache
+        cache.update(m=m, r_2=r_2, g=g, u=u, sig=sig, act=act, keep_act=keep_act)
+        return x2
 
     def backward(
         self, dlogits: np.ndarray, cache: dict, dy_extra: np.ndarray | None = None

@@ -11,9 +11,9 @@ from . import dataset, prompts
 from .chain import SamplingOptions, evaluate_chain
 from .config import GEN_SHARE, EvalConfig, TrainConfig, TrainingError
 from .generate import run_generation
+from .loop import train_and_write
 from .progress import log
 from .target import LoadTarget, Target, load_head
-from .train import train_and_write
 
 
 def select_prompts(items: list[prompts.Prompt], cap: int) -> list[prompts.Prompt]:

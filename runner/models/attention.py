@@ -45,6 +45,7 @@ import contextvars
 import functools
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -157,6 +158,20 @@ def _padded(x: mx.array, length: int) -> mx.array:
     return mx.concatenate([x, mx.zeros((batch, groups, length - keys, dim), x.dtype)], axis=2)
 
 
+@dataclass(frozen=True)
+class _Feed:
+    """What every query block of one ``blocked_attention`` call shares."""
+
+    batch: int
+    groups: int  # KV heads
+    per_group: int  # query heads per KV head
+    keys: int  # key positions; ``padded`` rounds them up to the grain
+    padded: int
+    causal: bool
+    softcap: float | None
+    extra: mx.array | None  # a caller's mask (``_log2_mask``), or None
+
+
 def blocked_attention(
     q: mx.array,
     k: mx.array,
@@ -182,59 +197,90 @@ def blocked_attention(
     k, v = _padded(k, padded), _padded(v, padded)
     q = q * (scale * LOG2E if softcap is None else scale)  # log2 units: 2**s for e**s
     q = q.reshape(batch, groups, per_group, length, dim)
-    extra = None  # a caller's mask in log2 units over the padded keys, or the padding's
+    extra = None
     if mask is not None and not causal:
-        if mask.dtype == mx.bool_:
-            extra = mx.where(mask, mx.array(0.0, q.dtype), mx.array(MASKED, q.dtype))
-        else:
-            extra = mx.maximum(mask.astype(q.dtype) * LOG2E, MASKED)
-        if padded > keys:
-            filler = mx.full((length, padded - keys), MASKED, dtype=q.dtype)
-            extra = mx.concatenate([extra, filler], axis=1)
-        extra = extra.T  # keys by rows, as the score tiles
+        extra = _log2_mask(mask, length, keys, padded, q.dtype)
+    feed = _Feed(batch, groups, per_group, keys, padded, causal, softcap, extra)
     blocks, hook = [], _BETWEEN_BLOCKS.get()
     for start in range(0, length, BLOCK_ROWS):
         rows = min(BLOCK_ROWS, length - start)
         qb = q[:, :, :, start : start + rows].reshape(batch, groups, per_group * rows, dim)
         qt = qb.transpose(0, 1, 3, 2)
-        first = offset + start  # position of the block's first row
-        # Keys up to the block's last row (causal) or all of them, scores keys by rows.
-        end = -(-(first + rows) // GRAIN) * GRAIN if causal else padded
-        scores, top = [], None
-        for lo in range(0, end, KEY_TILE):
-            width = min(KEY_TILE, end - lo)
-            s = k[:, :, lo : lo + width] @ qt
-            if softcap is not None:
-                s = mx.tanh(s / softcap) * (softcap * LOG2E)
-            tile_mask = None
-            if causal:
-                if lo + width - 1 > first:  # some key lies past the first row
-                    tile_mask = _diagonal_mask(width, rows, first - lo, q.dtype)
-            elif extra is not None:
-                tile_mask = extra[lo : lo + width, start : start + rows]
-            elif lo + width > keys:  # no mask: only the padding is hidden
-                tile_mask = _diagonal_mask(width, 1, keys - 1 - lo, q.dtype)
-            if tile_mask is not None:
-                shape = (batch, groups, width, per_group, rows)
-                s = (s.reshape(shape) + tile_mask[:, None]).reshape(batch, groups, width, -1)
-            scores.append((lo, width, s))
-            tile_max = mx.max(s, axis=-2, keepdims=True)
-            top = tile_max if top is None else mx.maximum(top, tile_max)
-        # The exact row maximum over every tile, then the weights, their products with the
-        # values and their sums (the denominator) tile by tile.
-        acc = den = None  # acc: the weighted values, dims by rows
-        for lo, width, s in scores:
-            e = exp2_nonpositive(s - top)
-            part = mx.sum(e, axis=-2, keepdims=True)
-            tile_v = v[:, :, lo : lo + width].transpose(0, 1, 3, 2)
-            acc = tile_v @ e if acc is None else mx.addmm(acc, tile_v, e)
-            den = part if den is None else den + part
-        out = (acc / den).transpose(0, 1, 3, 2)
+        scores, top = _block_scores(feed, k, qt, start, rows, offset + start)
+        out = _weighted_values(scores, top, v)
         blocks.append(out.reshape(batch, groups, per_group, rows, dim))
         if hook is not None and start + rows < length:
             hook(blocks[-1])
     out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=3)
     return out.reshape(batch, heads, length, dim)
+
+
+def _log2_mask(mask: mx.array, length: int, keys: int, padded: int, dtype: mx.Dtype) -> mx.array:
+    """A caller's additive or boolean ``[L, T]`` mask in log2 units over the padded keys (the
+    padding masked), keys by rows as the score tiles."""
+    if mask.dtype == mx.bool_:
+        extra = mx.where(mask, mx.array(0.0, dtype), mx.array(MASKED, dtype))
+    else:
+        extra = mx.maximum(mask.astype(dtype) * LOG2E, MASKED)
+    if padded > keys:
+        filler = mx.full((length, padded - keys), MASKED, dtype=dtype)
+        extra = mx.concatenate([extra, filler], axis=1)
+    return extra.T
+
+
+def _block_scores(
+    feed: _Feed, k: mx.array, qt: mx.array, start: int, rows: int, first: int
+) -> tuple[list[tuple[int, int, mx.array]], mx.array]:
+    """One query block's score tiles ``(lo, width, scores)``, keys by rows and masked, and
+    their exact row maximum over every tile. ``qt``: the block's queries, dims by rows;
+    ``first``: the position of its first row. A causal block visits the keys up to its last
+    row only."""
+    end = -(-(first + rows) // GRAIN) * GRAIN if feed.causal else feed.padded
+    scores, top = [], None
+    for lo in range(0, end, KEY_TILE):
+        width = min(KEY_TILE, end - lo)
+        s = k[:, :, lo : lo + width] @ qt
+        if feed.softcap is not None:
+            s = mx.tanh(s / feed.softcap) * (feed.softcap * LOG2E)
+        tile_mask = _tile_mask(feed, lo, width, start, rows, first, qt.dtype)
+        if tile_mask is not None:
+            shape = (feed.batch, feed.groups, width, feed.per_group, rows)
+            s = (s.reshape(shape) + tile_mask[:, None]).reshape(feed.batch, feed.groups, width, -1)
+        scores.append((lo, width, s))
+        tile_max = mx.max(s, axis=-2, keepdims=True)
+        top = tile_max if top is None else mx.maximum(top, tile_max)
+    return scores, top
+
+
+def _tile_mask(
+    feed: _Feed, lo: int, width: int, start: int, rows: int, first: int, dtype: mx.Dtype
+) -> mx.array | None:
+    """The additive mask of the key tile ``[lo, lo + width)`` for the block of ``rows`` rows
+    from ``start`` (position ``first``), or None where every key of it is visible."""
+    if feed.causal:
+        if lo + width - 1 > first:  # some key lies past the first row
+            return _diagonal_mask(width, rows, first - lo, dtype)
+        return None
+    if feed.extra is not None:
+        return feed.extra[lo : lo + width, start : start + rows]
+    if lo + width > feed.keys:  # no mask: only the padding is hidden
+        return _diagonal_mask(width, 1, feed.keys - 1 - lo, dtype)
+    return None
+
+
+def _weighted_values(
+    scores: list[tuple[int, int, mx.array]], top: mx.array, v: mx.array
+) -> mx.array:
+    """The block's output, rows by dims: the weights ``2**(s - top)`` tile by tile, their
+    products with the values and their sums (the denominator) accumulated across tiles."""
+    acc = den = None  # acc: the weighted values, dims by rows
+    for lo, width, s in scores:
+        e = exp2_nonpositive(s - top)
+        part = mx.sum(e, axis=-2, keepdims=True)
+        tile_v = v[:, :, lo : lo + width].transpose(0, 1, 3, 2)
+        acc = tile_v @ e if acc is None else mx.addmm(acc, tile_v, e)
+        den = part if den is None else den + part
+    return (acc / den).transpose(0, 1, 3, 2)
 
 
 def _fused(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool) -> mx.array:

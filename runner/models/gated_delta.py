@@ -29,6 +29,7 @@ after every prefix without a second forward or a per-row loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -150,6 +151,69 @@ def _diagonal_blocks(x: mx.array, size: int) -> mx.array:
     return mx.moveaxis(blocks, -1, -3)
 
 
+class _ChunkTerms(NamedTuple):
+    """What each chunk's sequential step reads, computed for every chunk at once (module
+    docstring), ``[B, H, N, C, ...]`` for N chunks of C rows."""
+
+    cum: mx.array  # G: log decay from the chunk start through each row
+    decay: mx.array  # D, zero above the diagonal
+    values: mx.array  # U before the initial state's share
+    from_state: mx.array  # ... and that share's keys
+    read: mx.array  # q decayed from the chunk start
+    write: mx.array  # k decayed to the chunk end
+    inner: mx.array  # the chunk's own causal scores, decayed
+    chunk_decay: mx.array  # the decay across each whole chunk, [B, H, N, 1, 1]
+
+
+def _in_chunks(xs: tuple[mx.array, ...], count: int, size: int, pad: int) -> tuple[mx.array, ...]:
+    """``q, k, v`` ``[B, H, L, D]`` and ``g, beta`` ``[B, H, L]`` as ``count`` chunks of
+    ``size`` rows, ``pad`` rows appended: padded rows write nothing (beta = 0, k = 0) and do
+    not decay (g = 0)."""
+    q, k, v, g, beta = xs
+    if pad:
+        q, k, v = (mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (q, k, v))
+        g, beta = (mx.pad(x, [(0, 0), (0, 0), (0, pad)]) for x in (g, beta))
+    batch, heads = k.shape[:2]
+    q, k, v = (x.reshape(batch, heads, count, size, x.shape[-1]) for x in (q, k, v))
+    g, beta = (x.reshape(batch, heads, count, size) for x in (g, beta))
+    return q, k, v, g, beta
+
+
+def _chunk_terms(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array) -> _ChunkTerms:
+    """The per-chunk matrices of the chunkwise form, from chunked ``q, k, v, g, beta``."""
+    size = g.shape[-1]
+    cum = mx.cumsum(g, axis=-1)
+    rows = mx.arange(size)
+    causal = rows[:, None] >= rows[None, :]
+    gap = cum[..., :, None] - cum[..., None, :]
+    decay = mx.where(causal, mx.exp(mx.where(causal, gap, 0.0)), 0.0)
+    k_beta = k * beta[..., None]
+    strict = rows[:, None] > rows[None, :]
+    system = mx.where(strict, (k_beta @ k.swapaxes(-1, -2)) * decay, 0.0)
+    inverse = unit_lower_inverse(system)
+    return _ChunkTerms(
+        cum=cum,
+        decay=decay,
+        values=inverse @ (v * beta[..., None]),
+        from_state=inverse @ (k_beta * mx.exp(cum)[..., None]),
+        read=q * mx.exp(cum)[..., None],
+        write=k * mx.exp(cum[..., -1:] - cum)[..., None],
+        inner=(q @ k.swapaxes(-1, -2)) * decay,
+        chunk_decay=mx.exp(cum[..., -1])[..., None, None],
+    )
+
+
+def _states_in_chunk(
+    terms: _ChunkTerms, k: mx.array, c: int, at: mx.array, state: mx.array, corrected: mx.array
+) -> mx.array:
+    """The states after rows ``at`` of chunk ``c`` (``[B, H, P, Dk, Dv]``), from the state at
+    the chunk's start and the chunk's corrected values ``U``: ``exp(G_p) S0 + (K * D[p])^T U``."""
+    weights = terms.decay[:, :, c][:, :, at]  # [B, H, P, C]: rows up to p, decayed to p
+    keys = weights[..., None] * k[:, :, c][:, :, None]  # [B, H, P, C, Dk]
+    start = mx.exp(terms.cum[:, :, c][:, :, at])[..., None, None]
+    return start * state[:, :, None] + keys.swapaxes(-1, -2) @ corrected[:, :, None]
+
+
 def _chunked(
     q: mx.array,
     k: mx.array,
@@ -162,35 +226,12 @@ def _chunked(
 ) -> tuple[mx.array, mx.array, list[mx.array]]:
     """Heads-first chunkwise form (module docstring): ``q``, ``k`` ``[B, H, L, Dk]``, ``v``
     ``[B, H, L, Dv]``, ``g``, ``beta`` ``[B, H, L]``."""
-    batch, heads, length, dk = k.shape
-    dv = v.shape[-1]
+    length = k.shape[2]
     size = min(chunk, length)
     count = -(-length // size)
     pad = count * size - length
-    if pad:  # padded rows write nothing (beta = 0, k = 0) and do not decay (g = 0)
-        q, k, v = (mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (q, k, v))
-        g, beta = (mx.pad(x, [(0, 0), (0, 0), (0, pad)]) for x in (g, beta))
-    q = q.reshape(batch, heads, count, size, dk)
-    k = k.reshape(batch, heads, count, size, dk)
-    v = v.reshape(batch, heads, count, size, dv)
-    g = g.reshape(batch, heads, count, size)
-    beta = beta.reshape(batch, heads, count, size)
-
-    cum = mx.cumsum(g, axis=-1)  # G: log decay from the chunk start through each row
-    rows = mx.arange(size)
-    causal = rows[:, None] >= rows[None, :]
-    gap = cum[..., :, None] - cum[..., None, :]
-    decay = mx.where(causal, mx.exp(mx.where(causal, gap, 0.0)), 0.0)  # D, zero above
-    k_beta = k * beta[..., None]
-    strict = rows[:, None] > rows[None, :]
-    system = mx.where(strict, (k_beta @ k.swapaxes(-1, -2)) * decay, 0.0)
-    inverse = unit_lower_inverse(system)
-    values = inverse @ (v * beta[..., None])  # U before the initial state's share
-    from_state = inverse @ (k_beta * mx.exp(cum)[..., None])  # ... and that share's keys
-    read = q * mx.exp(cum)[..., None]  # q decayed from the chunk start
-    write = k * mx.exp(cum[..., -1:] - cum)[..., None]  # k decayed to the chunk end
-    inner = (q @ k.swapaxes(-1, -2)) * decay
-    chunk_decay = mx.exp(cum[..., -1])[..., None, None]
+    q, k, v, g, beta = _in_chunks((q, k, v, g, beta), count, size, pad)
+    terms = _chunk_terms(q, k, v, g, beta)
 
     wanted: dict[int, list[int]] = {}
     for i, r in enumerate(states_at):
@@ -198,18 +239,16 @@ def _chunked(
     kept: list[mx.array | None] = [None] * len(states_at)
     outputs = []
     for c in range(count):
-        corrected = values[:, :, c] - from_state[:, :, c] @ state  # U
-        outputs.append(read[:, :, c] @ state + inner[:, :, c] @ corrected)
+        corrected = terms.values[:, :, c] - terms.from_state[:, :, c] @ state  # U
+        outputs.append(terms.read[:, :, c] @ state + terms.inner[:, :, c] @ corrected)
         if c in wanted:
             picks = wanted[c]
             at = mx.array([(states_at[i] - 1) % size for i in picks])
-            weights = decay[:, :, c][:, :, at]  # [B, H, P, C]: rows up to p, decayed to p
-            keys = weights[..., None] * k[:, :, c][:, :, None]  # [B, H, P, C, Dk]
-            start = mx.exp(cum[:, :, c][:, :, at])[..., None, None]
-            states = start * state[:, :, None] + keys.swapaxes(-1, -2) @ corrected[:, :, None]
+            states = _states_in_chunk(terms, k, c, at, state, corrected)
             for j, i in enumerate(picks):
                 kept[i] = states[:, :, j]
-        state = state * chunk_decay[:, :, c] + write[:, :, c].swapaxes(-1, -2) @ corrected
+        write = terms.write[:, :, c].swapaxes(-1, -2)
+        state = state * terms.chunk_decay[:, :, c] + write @ corrected
     y = mx.concatenate(outputs, axis=2)
     if pad:
         y = y[:, :, :length]

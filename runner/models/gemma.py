@@ -40,6 +40,7 @@ from runner.models.llama import (
 )
 from runner.models.llama import Model as LlamaCausalLM
 from runner.models.rope import RoPE
+from runner.models.rope_config import Rope, read_rope, rope_spec
 
 FAMILIES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -98,9 +99,9 @@ class GemmaSettings:
     final_softcap: float | None
     activation: str
     qk_norm: bool
-    ropes: dict[str, cfgs.Rope]  # per layer type
+    ropes: dict[str, Rope]  # per layer type
 
-    def rope(self, layer_type: str) -> cfgs.Rope:
+    def rope(self, layer_type: str) -> Rope:
         return self.ropes[layer_type]
 
 
@@ -147,7 +148,7 @@ def _ropes(cfg: dict, family: str, head_dim: int, max_pos: int, path: str | None
     if family == "gemma2":
         flat = dict(cfg)
         flat.setdefault("rope_theta", theta_global)
-        rope = cfgs.read_rope(flat, head_dim=head_dim, max_position_embeddings=max_pos, path=path)
+        rope = read_rope(flat, head_dim=head_dim, max_position_embeddings=max_pos, path=path)
         if isinstance(rope, dict):
             raise cfgs.refuse("rope_parameters", sorted(rope), "gemma2 has one RoPE", path)
         return {t: rope for t in LAYER_TYPES}
@@ -162,7 +163,7 @@ def _ropes(cfg: dict, family: str, head_dim: int, max_pos: int, path: str | None
     sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq", theta_local))
     out = {}
     for t in LAYER_TYPES:
-        spec = cfgs.rope_spec(
+        spec = rope_spec(
             params[t],
             head_dim=head_dim,
             max_position_embeddings=max_pos,
@@ -346,6 +347,7 @@ class Model(LlamaCausalLM):
     """A Gemma 2 / Gemma 3 text causal LM with the llama family's interface."""
 
     inner = GemmaStack
+    takes_layer_hook: bool = True  # llama's ``hidden``, ``on_layer`` included
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args)

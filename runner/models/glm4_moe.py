@@ -37,6 +37,7 @@ from protocol.errors import UnsupportedArchitecture
 from runner.models.llama import Attention, Linear, ModelArgs
 from runner.models.moe import MoEDecoderLayer, MoEModel, MoESettings, MoEStack, read_field
 from runner.models.rope import RoPE
+from runner.models.rope_config import read_rope
 
 FAMILIES = ("glm4_moe",)
 # transformers 5.24's Glm4MoeConfig defaults.
@@ -123,7 +124,7 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     max_pos = int(get("max_position_embeddings"))
     rope_cfg = dict(cfg)
     rope_cfg["partial_rotary_factor"] = get("partial_rotary_factor")
-    rope = cfgs.read_rope(
+    rope = read_rope(
         rope_cfg, head_dim=head_dim, max_position_embeddings=max_pos, path=path, prefix=prefix
     )
     if isinstance(rope, dict):
@@ -183,3 +184,4 @@ class Model(MoEModel):
     """A GLM-4.5 causal LM with the llama family's interface."""
 
     inner = Glm4MoeStack
+    takes_layer_hook: bool = True  # llama's ``hidden``, ``on_layer`` included

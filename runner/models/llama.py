@@ -23,10 +23,7 @@ from runner.models.layers import (
     fuse_linears,
     fused_product,
     fused_to_panels,
-    linears_to_panels,
-    pack_for_cpu,
     product,
-    to_panels,
 )
 from runner.models.rope import RoPE, RopeTables
 
@@ -103,7 +100,8 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope = self.make_rope(args, layer_type)
-        self.fast = False  # mx.fast attention instead of the composed kernel (set_kernels)
+        # mx.fast attention instead of the composed kernel (runner.device.set_kernels).
+        self.fast = False
         # tanh soft-capping of the attention scores (Gemma 2): the composed kernel only.
         self.softcap: float | None = None
 
@@ -139,7 +137,8 @@ class Attention(nn.Module):
         self, x: mx.array, rope: RopeTables
     ) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v ``[B, heads, L, head_dim]`` of ``x``, q and k rotated: everything before
-        the cache (fixed shapes for a given row count, so it compiles; see ``compile_blocks``)."""
+        the cache (fixed shapes for a given row count, so it compiles; see
+        ``runner.device.compile_blocks``)."""
         batch, length, _ = x.shape
         q, k, v = self._project(x)
         q = q.reshape(batch, length, self.n_heads, self.head_dim)
@@ -226,8 +225,9 @@ class DecoderLayer(nn.Module):
 
     The block runs as three parts: ``before_cache`` (norm, projections, rotation), the cache
     append and attention (shapes change with every position), ``after_attention`` (output
-    projection, residuals, MLP). ``compile_blocks`` compiles the first and last for the few
-    rows of a decode step or a verify; prefill chunks and batches run them eagerly.
+    projection, residuals, MLP). ``runner.device.compile_blocks`` compiles the first and
+    last for the few rows of a decode step or a verify; prefill chunks and batches run them
+    eagerly.
     """
 
     # The layer's sliding window (None: full attention) and which RoPE its forward shares
@@ -276,7 +276,7 @@ class CompiledBlock:
     """``mx.compile``d parts of one ``DecoderLayer`` (a plain object, outside the parameter
     tree). Compiled functions capture the weights they read when they first trace a shape:
     compile only after the weights are final (packed, fused, row layout added), and call
-    ``uncompile_blocks`` before changing any of them."""
+    ``runner.device.uncompile_blocks`` before changing any of them."""
 
     __slots__ = ("before_cache", "after_attention")
 
@@ -287,45 +287,6 @@ class CompiledBlock:
     @staticmethod
     def serves(x: mx.array) -> bool:
         return x.shape[0] == 1 and x.shape[1] <= COMPILED_MAX_ROWS
-
-
-def compile_blocks(module: nn.Module) -> int:
-    """Compile the fixed-shape parts of every block below ``module`` (see ``DecoderLayer``);
-    return how many blocks. A compiled part replays its graph without Python graph building
-    and MLX fuses its elementwise ops (scripts/bench_forward.py measures the gain)."""
-    count = 0
-    for _, child in module.named_modules():
-        if isinstance(child, DecoderLayer):
-            child.compiled = CompiledBlock(child)
-            count += 1
-    return count
-
-
-def uncompile_blocks(module: nn.Module) -> int:
-    """Drop the compiled parts below ``module`` (before changing weights); return how many."""
-    count = 0
-    for _, child in module.named_modules():
-        if isinstance(child, DecoderLayer) and child.compiled is not None:
-            child.compiled = None
-            count += 1
-    return count
-
-
-def set_kernels(module: nn.Module, fast: bool) -> None:
-    """Attention and RoPE below ``module`` through ``mx.fast`` (``fast``) or the composed
-    kernels; both compute the same values (tests compare them)."""
-    for _, child in module.named_modules():
-        if isinstance(child, Attention):
-            child.fast = fast
-            child.rope.fast = fast
-
-
-def fuse_projections(module: nn.Module) -> int:
-    """Fuse the packed q/k/v and gate/up projections of every block below ``module``; return
-    how many products were fused: fewer, larger BLAS calls (scripts/bench_forward.py)."""
-    return sum(
-        child.fuse() for _, child in module.named_modules() if isinstance(child, Attention | MLP)
-    )
 
 
 class LlamaModel(nn.Module):
@@ -401,6 +362,10 @@ class Model(nn.Module):
     draft_features: tuple[int, ...] = ()
     draft_stream_layers: frozenset[int] = frozenset()  # their layer indices (k - 1)
     serves_draft_features = True  # a family with its own ``hidden`` sets False
+    # ``hidden`` takes ``on_layer`` (and the caches rewind to any offset of the last feed):
+    # prefill evaluates and polls long chunks layer by layer. A family with its own
+    # ``hidden`` states its own.
+    takes_layer_hook: bool = True
 
     def use_draft_features(self, layers: tuple[int, ...]) -> None:
         """Set ``draft_features`` (a plain attribute: an ``nn.Module`` would keep a tuple
@@ -504,7 +469,7 @@ class Model(nn.Module):
             if layer.window is not None:
                 if mask is not None:
                     raise ValueError("per-sequence masks are not supported with sliding layers")
-                start = cache.window_lo(offset) if getattr(cache, "windowed", False) else 0
+                start = cache.window_lo(offset)
                 key = (layer.window, start)
                 if key not in masks:
                     masks[key] = window_mask(offset, length, layer.window, start, x.dtype)
@@ -593,16 +558,6 @@ class Model(nn.Module):
             return embed.weight
         return dense_weight(self.lm_head)
 
-    def pack_for_cpu(self) -> None:
-        """Store dense weights transposed for fast one-row matmuls (see ``layers``)."""
-        pack_for_cpu(self)
-        fuse_projections(self)
-        embed = self.model.embed_tokens
-        if self.args.tie_word_embeddings and type(embed) is nn.Embedding:
-            # Lookups need the [V, D] table; the output projection wants [D, V] contiguous.
-            self._embed_t = mx.contiguous(embed.weight.T)
-        mx.eval([v for _, v in private_arrays(self)])
-
     def forward(
         self, tokens: mx.array, caches: list[KVCache], mask: Mask = None
     ) -> tuple[mx.array, mx.array]:
@@ -616,30 +571,3 @@ class Model(nn.Module):
 
     def __call__(self, tokens: mx.array, caches: list[KVCache]) -> mx.array:
         return self.forward(tokens, caches)[0]
-
-
-def to_panel_layout(module: nn.Module) -> int:
-    """Every packed product below ``module`` (fused ones, plain linears, a tied model's output
-    projection) in the panel layout of ``runner.native``; returns how many products."""
-    count = sum(
-        child.fused_to_panels()
-        for _, child in module.named_modules()
-        if isinstance(child, Attention | MLP)
-    )
-    count += linears_to_panels(module)
-    for _, child in module.named_modules():
-        if isinstance(child, Model) and "_embed_t" in child:
-            panels = to_panels(child._embed_t)
-            if panels is not None:
-                child._embed_t = panels
-                count += 1
-    mx.eval([v for _, v in private_arrays(module)])
-    return count
-
-
-def private_arrays(module: nn.Module):
-    """Arrays kept outside ``parameters()`` (underscore keys), e.g. packed weights."""
-    for _, child in module.named_modules():
-        for key, value in child.items():
-            if key.startswith("_") and isinstance(value, mx.array):
-                yield key, value

@@ -24,6 +24,7 @@ from runner.models.layers import fused_to_panels
 from runner.models.llama import MLP, Attention, DecoderLayer, Linear, LlamaModel, ModelArgs
 from runner.models.llama import Model as LlamaCausalLM
 from runner.models.rope import RoPE
+from runner.models.rope_config import read_rope
 
 FAMILIES = ("phi3",)
 # transformers 5's Phi3Config defaults.
@@ -70,7 +71,7 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
     rope_cfg["rope_scaling"], rope_cfg["rope_parameters"] = params or None, None
     rope_cfg.setdefault("rope_theta", _DEFAULTS["rope_theta"])
     rope_cfg["original_max_position_embeddings"] = get("original_max_position_embeddings")
-    rope = cfgs.read_rope(rope_cfg, head_dim=head_dim, max_position_embeddings=max_pos, path=path)
+    rope = read_rope(rope_cfg, head_dim=head_dim, max_position_embeddings=max_pos, path=path)
     if isinstance(rope, dict):
         raise cfgs.refuse("rope_parameters", sorted(rope), "phi3 has one RoPE", path)
     window = cfgs.window_size(cfg.get("sliding_window"), prefix + "sliding_window", path)
@@ -190,3 +191,4 @@ class Model(LlamaCausalLM):
     """A Phi-3 causal LM with the llama family's interface."""
 
     inner = Phi3Stack
+    takes_layer_hook: bool = True  # llama's ``hidden``, ``on_layer`` included

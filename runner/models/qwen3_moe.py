@@ -73,3 +73,5 @@ def head_layer(args: ModelArgs) -> MoEDecoderLayer:
 class Model(MoEModel):
     """A Qwen3-MoE causal LM with the llama family's interface (Qwen3's attention: llama's
     with q/k norms; a MoE or dense MLP per layer)."""
+
+    takes_layer_hook: bool = True  # llama's ``hidden``, ``on_layer`` included

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from runner.models.config import rope_spec
+from runner.models.rope_config import rope_spec
 
 
 class RoPE(nn.Module):
@@ -28,7 +28,7 @@ class RoPE(nn.Module):
     The last two depend on how a sequence was fed (``depends_on_feed``): one forward over a
     long prompt and the same prompt in chunks rotate differently, exactly as in transformers.
 
-    ``scaling`` is a RoPE dict in any layout (``runner.models.config.rope_spec`` reads it;
+    ``scaling`` is a RoPE dict in any layout (``runner.models.rope_config.rope_spec`` reads it;
     already-resolved dicts pass unchanged); ``max_position_embeddings`` is the model's context,
     which dynamic, yarn and longrope defaults read. ``dims`` are the rotated dimensions, the
     first ``dims`` of a ``head_dim``-wide head (partial rotary; the rest pass unchanged).

@@ -39,7 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="format.json")
     args = p.parse_args(argv)
 
-    from drafting import mlx_ops
     from protocol.requests import Completion, Options
     from runner import constraint
     from runner.engine import Engine, EngineOptions
@@ -83,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             options=Options(num_predict=tokens, temperature=0, repeat_penalty=1.0),
         )
         frames: list = []
-        mlx_ops.FORCED_DRAFTS = "by the head" not in mode
+        engine.speculation.forced_drafts = "by the head" not in mode
         engine.run(engine.prepare(request), frames.append, lambda: False)
-        mlx_ops.FORCED_DRAFTS = True
+        engine.speculation.forced_drafts = True
         done = frames[-1]
         if constrained and mode:
             drafted[mode][0] += done.speculation.accepted

@@ -53,7 +53,7 @@ def runner_cmd(conformance_model):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def shared_runner(runner_cmd):
     """One runner for a whole module: tests use their own ids and do not interfere."""
-    runner = await RunnerProcess.start(runner_cmd("--fault-id", FAULT_ID))
+    runner = await RunnerProcess.start(runner_cmd("--inject-fault", f"token-frame={FAULT_ID}"))
     yield runner
     await runner.stop()
     assert not runner.violations, runner.violations[:5]

@@ -347,7 +347,7 @@ async def test_prompt_longer_than_the_context_is_context_overflow(shared_runner)
 
 async def test_failure_inside_generation_is_internal_then_done_error(shared_runner, own_runner):
     if not own_runner:
-        pytest.skip("needs this runner's --fault-id hook")
+        pytest.skip("needs this runner's --inject-fault seam")
     await shared_runner.send(completion(FAULT_ID, options={"num_predict": 50}))
     frames = []
     while not frames or frames[-1]["type"] != "done":

@@ -86,7 +86,7 @@ async def plain_outputs(default_model, head_args):
         ["--draft-depth", "1"],
         ["--draft-depth", "2"],
         ["--draft-depth", "4"],
-        ["--draft-depth", "3", "--head-fault-after", "6"],
+        ["--draft-depth", "3", "--inject-fault", "head-call=6"],
     ],
     ids=["depth-1", "depth-2", "depth-4", "head-fault"],
 )
