@@ -102,9 +102,9 @@ class DepthController:
 
     # -- per-request plumbing -----------------------------------------------------------------
 
-    def session(self, speculative: bool = True) -> DepthSession:
+    def for_request(self, speculative: bool = True) -> RequestDepth:
         """The per-request view; ``speculative=False`` pins depth 0."""
-        return DepthSession(self if speculative and self.max_depth > 0 else None)
+        return RequestDepth(self if speculative and self.max_depth > 0 else None)
 
     def begin_request(self) -> None:
         """Forget the round clock: the gap between requests is not a round's cost."""
@@ -303,8 +303,8 @@ def _lower_median(values: list[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
-class DepthSession:
-    """One request's view of the controller; a disabled session always says depth 0."""
+class RequestDepth:
+    """One request's view of the controller; a disabled one always says depth 0."""
 
     def __init__(self, controller: DepthController | None) -> None:
         self.controller = controller
@@ -332,7 +332,7 @@ class DepthSession:
 
 
 class FixedDepth:
-    """A constant depth with the session interface (tests, benchmarks, ``--draft-depth``)."""
+    """A constant depth with the request interface (tests, benchmarks, ``--draft-depth``)."""
 
     def __init__(self, depth: int) -> None:
         self._depth = checked_depth(depth, "depth")

@@ -191,7 +191,7 @@ class RoundOps(Protocol):
 
 
 class DepthSource(Protocol):
-    """``drafting.depth.DepthSession`` or ``FixedDepth``."""
+    """``drafting.depth.RequestDepth`` or ``FixedDepth``."""
 
     @property
     def enabled(self) -> bool: ...

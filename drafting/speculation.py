@@ -2,7 +2,7 @@
 
 ``Speculation`` owns what lives as long as the loaded model: the MTP head, its draft KV cache
 (one more cache slot of the prefix cache) and the depth controller, which learns acceptance
-and round costs across requests. ``open`` starts a request's ``SpeculationSession`` before
+and round costs across requests. ``open`` starts a request's ``RequestSpeculation`` before
 prefill: the draft session that sees every committed forward (so speculation can start or
 resume at any step without an extra forward), the request's counters, and the request's
 drafter (``RoundDriver``), which ``runner.decoder.DecodeLoop`` drives between pipelined plain
@@ -63,19 +63,19 @@ class Speculation:
 
     def open(
         self, unembed: Callable[[mx.array], mx.array], cache: KVCache | None = None
-    ) -> SpeculationSession:
+    ) -> RequestSpeculation:
         """A request's session, opened before prefill (``unembed``: the target's output head;
         ``cache``: the draft cache of the request's cache slot, by default the model's own)."""
         head = self.head if self.request_head is None else self.request_head(self.head)
         draft = DraftSession(head, self.cache if cache is None else cache, unembed)
-        return SpeculationSession(self, draft)
+        return RequestSpeculation(self, draft)
 
     def status(self) -> dict:
         """Plain values for the ``status`` frame."""
         return {"speculation_depth": self.depth.scheduled, "speculation": self.depth.state()}
 
 
-class SpeculationSession:
+class RequestSpeculation:
     """One request's speculation; use as a context manager so it closes on every exit path."""
 
     def __init__(self, owner: Speculation, draft: DraftSession) -> None:
@@ -85,7 +85,7 @@ class SpeculationSession:
         self.final: int | None = None  # the token after the last fed one, once known
         self.on_commit = guarded(draft, "committed")  # for prefill and the plain decoder
 
-    def __enter__(self) -> SpeculationSession:
+    def __enter__(self) -> RequestSpeculation:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
@@ -125,7 +125,7 @@ class SpeculationSession:
         if fixed is not None:
             depth = FixedDepth(fixed if speculate else 0)
         else:
-            depth = self.owner.depth.session(speculative=speculate)
+            depth = self.owner.depth.for_request(speculative=speculate)
         ops = MlxRoundOps(
             model, caches, self.draft, sampler, logprobs, constraint, self.owner.forced_drafts
         )

@@ -1,7 +1,7 @@
 """One completion from admission to its done frame, as steps a scheduler can interleave.
 
 A ``Stream`` owns what a request owns: its cache slot's session on the prefix cache, its
-speculation session (the draft session on the slot's draft cache), sampler, emitter, ledger
+request speculation (the draft session on the slot's draft cache), sampler, emitter, ledger
 and decode loop. Its life has two phases: *prefill* (``prefill``: the prompt in chunks, all at
 once or a few layers at a time between other requests' decode steps, ``runner.prefill``) and
 *decode*: steps of its own (``step``: a plain step or a drafter's round, ``DecodeLoop``) or
@@ -26,7 +26,7 @@ import mlx.core as mx
 from cache.ledger import Ledger, Outcome
 from cache.session import CacheSession
 from drafting.logprobs import LogprobEntry, LogprobRows
-from drafting.speculation import SpeculationSession
+from drafting.speculation import RequestSpeculation
 from drafting.stats import SpecStats
 from protocol import frames as pf
 from protocol.errors import CodedError, error_frame
@@ -80,7 +80,7 @@ class Stream:
         self.plain: PlainLoop | None = None
         self.session: CacheSession | None = slot.begin(req.prompt)
         self.cached = self.session.cached
-        self.spec: SpeculationSession | None = None
+        self.spec: RequestSpeculation | None = None
         if engine.speculation is not None:
             self.spec = engine.speculation.open(engine.model.unembed, slot.draft)
         self.stats = self.spec.stats if self.spec is not None else SpecStats()
@@ -330,7 +330,7 @@ class Stream:
         self.finish(Outcome("error"))
 
     def finish(self, outcome: Outcome) -> None:
-        """Close the sessions and send the done frame (once). The speculation session settles
+        """Close the sessions and send the done frame (once). The request speculation settles
         the last pair with ``outcome.final``, so the draft cache rests level with the target."""
         if self.finished:
             return

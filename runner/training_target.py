@@ -70,8 +70,8 @@ class RunnerTarget:
     ) -> tuple[np.ndarray, np.ndarray | None]:
         if cache and cache[0].offset != offset:
             raise ValueError(f"the caches hold {cache[0].offset} positions, not {offset}")
-        h, feats = self.model.hidden(
-            mx.array(tokens), cache, mask=mx.array(mask)[:, None], features=tuple(layers)
+        h, feats = self.model.hidden_features(
+            mx.array(tokens), cache, tuple(layers), mask=mx.array(mask)[:, None]
         )
         mx.eval(h) if feats is None else mx.eval(h, feats)
         return as_numpy(h), (as_numpy(feats) if layers else None)

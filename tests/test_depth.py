@@ -36,7 +36,7 @@ class Sim:
         self.cost, self.rate = cost, rate
         self.rng = np.random.default_rng(seed)
         self.controller = DepthController(max_depth, clock=lambda: self.now)
-        self.session = self.controller.session()
+        self.session = self.controller.for_request()
         self.depths: list[int] = []
 
     def round(self, stall: float = 1.0) -> int:
@@ -260,7 +260,7 @@ def test_state_persists_across_requests_and_the_gap_is_not_a_cost():
     assert depth > 0
     costs = dict(sim.controller.state()["cost_ms"])
     sim.now += 1000.0  # prefill of the next request, idle time, ...
-    sim.session = sim.controller.session()
+    sim.session = sim.controller.for_request()
     assert sim.session.depth == depth  # the next request starts where the last one stopped
     sim.round()
     sim.round()
@@ -272,7 +272,7 @@ def test_speculative_false_pins_depth_zero_and_leaves_the_controller_alone():
     sim = Sim(flat, 0.9)
     sim.run(300)
     before = sim.controller.state()
-    session = sim.controller.session(speculative=False)
+    session = sim.controller.for_request(speculative=False)
     assert not session.enabled and session.depth == 0
     session.round_started(0)
     sim.now += 5.0
@@ -286,7 +286,7 @@ def test_max_depth_bounds_the_choice():
     sim.run(1000)
     assert max(sim.depths) <= 3
     assert sim.controller.selected() == 3
-    assert not DepthController(max_depth=0).session().enabled
+    assert not DepthController(max_depth=0).for_request().enabled
 
 
 def test_state_is_plain_json():

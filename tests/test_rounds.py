@@ -135,7 +135,7 @@ def test_accepted_eos_at_each_draft_position(position):
     controller = DepthController(max_depth=3)
     controller.scheduled = 3
     ops, em, driver = make(
-        depth=controller.session(),
+        depth=controller.for_request(),
         target=scripted(X, drafts, fallback),
         draft=scripted(X, drafts, fallback),
     )
@@ -694,11 +694,11 @@ def test_stats_accounting_is_consistent():
 
 def test_plan_reasons():
     controller = DepthController(max_depth=4)
-    _, _, driver = make(depth=controller.session(speculative=False))
+    _, _, driver = make(depth=controller.for_request(speculative=False))
     assert driver.plan().why == "disabled" and driver.plan().parked
     _, _, driver = make(depth=0)
     assert driver.plan().why == "disabled"
-    _, _, driver = make(depth=controller.session())
+    _, _, driver = make(depth=controller.for_request())
     assert driver.plan().why == "depth-0"  # a fresh controller measures depth 0 first
     _, _, driver = make(head=False)
     assert driver.plan().why == "no-head"
@@ -709,7 +709,7 @@ def test_plan_reasons():
 def test_parked_rounds_are_counted_and_timed():
     ticks = iter(range(100))
     controller = DepthController(max_depth=2, clock=lambda: float(next(ticks)))
-    ops, _, driver = make(depth=controller.session(), budget=10)
+    ops, _, driver = make(depth=controller.for_request(), budget=10)
     for token in (12, 13, 14):  # the plain loop writes the shared ledger, then accounts
         driver.ledger.emit(token)
         driver.ledger.commit([token])
@@ -724,7 +724,7 @@ def test_controller_driven_run_stays_lossless_and_learns():
     controller = DepthController(max_depth=4, clock=iter(np.arange(0, 1e4, 0.5)).__next__)
     plain_ops, _, plain = make(depth=0, budget=60)
     run_rounds(plain, X)
-    ops, _, driver = make(depth=controller.session(), budget=60)
+    ops, _, driver = make(depth=controller.for_request(), budget=60)
     run_rounds(driver, X)
     assert driver.emitted == plain.emitted and ops.fed == plain_ops.fed
     state = controller.state()

@@ -626,7 +626,12 @@ def test_a_time_budget_sizes_the_prompts_and_cuts_the_steps(trained, tmp_path):
     head's record keeps the budget. A rerun plans the same prompts from the work dir."""
     target, prompt_dir, _, _, _ = trained
     work, out = str(tmp_path / "work"), str(tmp_path / "head")
-    args = trainer_args(target, prompt_dir, work, out, "--minutes", "0.004", "--steps", "100000")
+    # Answers four times the usual length, so that the tiny target's generation cannot fit
+    # the whole prompt set into the budget's share on a fast machine either.
+    longer = ("--max-new-tokens", "80")
+    args = trainer_args(
+        target, prompt_dir, work, out, "--minutes", "0.004", "--steps", "100000", *longer
+    )
     log = run_script(*args)
     assert "[gen] budget 0.004 min" in log
     assert "the time budget fits" in log
@@ -637,6 +642,8 @@ def test_a_time_budget_sizes_the_prompts_and_cuts_the_steps(trained, tmp_path):
     assert rec["minutes_budget"] == 0.004 and 1 <= rec["prompts"] == budget["prompts"] < 7
     assert rec["steps"] < 100000
     again = run_script(
-        *trainer_args(target, prompt_dir, work, out, "--minutes", "0.004", "--stage", "generate")
+        *trainer_args(
+            target, prompt_dir, work, out, "--minutes", "0.004", "--stage", "generate", *longer
+        )
     )
     assert "(0 cached)" not in again and "budget 0.004" not in again

@@ -115,7 +115,7 @@ def test_model_rows_carry_a_fused_heads_streams(tiny_checkpoint):
     same streams as a lone forward."""
     model = load_model(tiny_checkpoint).model
     tokens = mx.array([[5, 9, 33, 2, 17]])
-    h, streams = model.hidden(tokens, model.make_caches(), features=(1,))
+    h, streams = model.hidden_features(tokens, model.make_caches(), (1,))
     model.use_draft_features((1,))
     try:
         wide = model.hidden(tokens, model.make_caches())
@@ -320,8 +320,8 @@ def test_left_padded_generation_records_the_streams_a_lone_sequence_has(tiny_che
         feature_layers=(1,),
     )
     for s in seqs:
-        h, streams = loaded.model.hidden(
-            mx.array(s.tokens[None, :-1]), loaded.model.make_caches(), features=(1,)
+        h, streams = loaded.model.hidden_features(
+            mx.array(s.tokens[None, :-1]), loaded.model.make_caches(), (1,)
         )
         assert s.features.shape == (len(s.tokens) - 1, loaded.model.args.hidden_size)
         assert np.abs(np.array(streams[0]) - s.features.astype(np.float32)).max() < 1e-2

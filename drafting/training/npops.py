@@ -40,10 +40,3 @@ def rope_rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dims: int, trad
         a, b = rot[..., : dims // 2], rot[..., dims // 2 :]
         out = np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
     return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
-
-
-def swiglu(gu: np.ndarray) -> np.ndarray:
-    inter = gu.shape[-1] // 2
-    g, u = gu[..., :inter], gu[..., inter:]
-    with np.errstate(over="ignore"):
-        return g / (1.0 + np.exp(-g)) * u

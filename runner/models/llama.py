@@ -409,8 +409,7 @@ class Model(nn.Module):
         mask: Mask = None,
         prenorm: bool = False,
         on_layer: LayerHook | None = None,
-        features: tuple[int, ...] | None = None,
-    ) -> mx.array | tuple[mx.array, mx.array | None]:
+    ) -> mx.array:
         """Run the decoder stack over ``tokens`` (``[B, L]``); return ``[B, L, D]`` hiddens.
 
         ``mask`` defaults to causal over the cached prefix; pass an additive or boolean array
@@ -418,14 +417,37 @@ class Model(nn.Module):
         ``on_layer(i, x)`` is called with each layer's (lazy) output as soon as its graph is
         built, layer ``i``'s cache already appended: prefill evaluates and polls for a cancel
         there. An exception it raises leaves layers ``0..i`` appended and the rest untouched.
-        ``features`` (k: the residual stream after k layers, 1 <= k < L) makes it return
-        ``(hidden, streams)``, the streams concatenated ``[B, L, len(features) * D]`` (None
-        for no features): what a head fusing several layers drafts from, at no extra cost.
+        With a fused head's layers set (``use_draft_features``) the rows are ``draft_rows``:
+        the streams ahead of the final hidden.
         """
-        wide = features is None and bool(self.draft_features)  # validated when set
-        layers = self.draft_features if wide else (features or ())
-        if not wide and any(not 1 <= k < len(self.layers) for k in layers):
+        layers = self.draft_features  # validated when set
+        x, streams = self._stack(tokens, caches, mask, on_layer, layers)
+        if layers:
+            return (
+                mx.concatenate([*streams, x], axis=-1) if prenorm else self.draft_rows(x, streams)
+            )
+        return x if prenorm else self.model.norm(x)
+
+    def hidden_features(
+        self, tokens: mx.array, caches: list[KVCache], features: tuple[int, ...], mask: Mask = None
+    ) -> tuple[mx.array, mx.array | None]:
+        """The final hidden and the residual streams after ``features`` layers (k: the stream
+        after k layers, 1 <= k < L), concatenated ``[B, L, len(features) * D]`` (None for no
+        features): what a head fusing several layers drafts from, at no extra cost."""
+        if any(not 1 <= k < len(self.layers) for k in features):
             raise ValueError(f"feature layers must lie in 1..{len(self.layers) - 1}: {features}")
+        x, streams = self._stack(tokens, caches, mask, None, features)
+        return self.model.norm(x), (mx.concatenate(streams, axis=-1) if streams else None)
+
+    def _stack(
+        self,
+        tokens: mx.array,
+        caches: list[KVCache],
+        mask: Mask,
+        on_layer: LayerHook | None,
+        layers: tuple[int, ...],
+    ) -> tuple[mx.array, list[mx.array]]:
+        """The last layer's output and the streams after ``layers``."""
         wanted = {k - 1: j for j, k in enumerate(layers)}
         streams: list[mx.array | None] = [None] * len(wanted)
         x = None
@@ -434,14 +456,7 @@ class Model(nn.Module):
                 streams[wanted[index]] = x
             if on_layer is not None:
                 on_layer(index, x)
-        if wide:
-            return (
-                mx.concatenate([*streams, x], axis=-1) if prenorm else self.draft_rows(x, streams)
-            )
-        h = x if prenorm else self.model.norm(x)
-        if features is None:
-            return h
-        return h, (mx.concatenate(streams, axis=-1) if streams else None)
+        return x, streams
 
     def layer_outputs(
         self, tokens: mx.array, caches: list[KVCache], mask: Mask = None

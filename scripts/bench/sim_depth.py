@@ -59,7 +59,7 @@ def simulate(policy: str, rates: tuple[float, float], seed: int, noise: float, s
     for _ in range(PROMPTS):
         rate = rng.uniform(*rates)
         if policy == "adaptive":
-            view = controller.session()
+            view = controller.for_request()
         else:
             view = depth_module.FixedDepth(int(policy.split()[-1]))
         clock[0] += 5.0  # prefill and idle time between requests: not a round
