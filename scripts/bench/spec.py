@@ -82,7 +82,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--modes", default="greedy,T=0.7", help=f"comma list of {list(MODES)}")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="where to write the JSON report")
     args = parser.parse_args()
 
     from runner.default_model import ensure_default_model
@@ -201,7 +201,7 @@ def main() -> int:
     out = args.out or os.path.join(
         ROOT, "bench-results", "spec-random.json" if args.random_head else "spec.json"
     )
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=2)
     return 0
