@@ -182,7 +182,7 @@ class Engine:
         """How many completions decode at once, and why fewer than ``wanted``."""
         if wanted <= 1:
             return 1, "one completion at a time"
-        refusal = getattr(self.model, "rows_refusal", lambda: "no batched forward")()
+        refusal = self.model.rows_refusal()
         if refusal is None and self.feed_dependent:
             refusal = "the RoPE depends on how tokens are fed"
         if refusal is not None:

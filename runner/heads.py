@@ -114,7 +114,7 @@ def declared_mtp(loaded: LoadedModel) -> tuple[str, int] | None:
 
 def _norm_shift(loaded: LoadedModel) -> bool:
     """Whether an inline head's zero-centred gains need the ``1 + w`` shift (exactly once)."""
-    decided = getattr(loaded.model, "head_norm_shift", None)
+    decided = loaded.model.head_norm_shift
     if decided is not None:
         return bool(decided)
     types = {str(loaded.config.get("model_type", "")), loaded.model.args.model_type}
@@ -174,7 +174,7 @@ def load_sidecar_head(loaded: LoadedModel, directory: str) -> MTPHead:
     fused-feature head, one whose forward provides the streams it fuses)."""
     sidecar = read_sidecar(directory)
     _check_target(loaded, sidecar)
-    if sidecar.feature_layers and not getattr(loaded.model, "serves_draft_features", False):
+    if sidecar.feature_layers and not loaded.model.serves_draft_features:
         family = type(loaded.model).__module__.rsplit(".", 1)[-1]
         raise DraftHeadError(
             f"the head fuses the streams after layers {sidecar.feature_layers}, which the "

@@ -31,6 +31,7 @@ from drafting.stats import SpecStats
 from protocol import frames as pf
 from protocol.errors import CodedError, error_frame
 from runner.cache_slot import CacheSlot
+from runner.constraint import AfterThinking
 from runner.decoder import ConstrainedDecoder, DecodeLoop, PlainDecoder, PlainLoop, Sampled
 from runner.emit import Emitter, logprob_frame
 from runner.prefill import Cancelled, ChunkedPrefill
@@ -96,7 +97,7 @@ class Stream:
         # the close marker is fed after the prompt, as if the prompt had ended with it.
         forced = self.emitter.force_at_start()
         self.ledger.force(forced)
-        if forced and hasattr(req.constraint, "activate"):
+        if forced and isinstance(req.constraint, AfterThinking):
             req.constraint.activate()  # the span closed before the first token
         self.sequence = [*req.prompt, *forced]
         feed = [*self.session.remaining, *forced]

@@ -362,6 +362,9 @@ class Model(nn.Module):
     draft_features: tuple[int, ...] = ()
     draft_stream_layers: frozenset[int] = frozenset()  # their layer indices (k - 1)
     serves_draft_features = True  # a family with its own ``hidden`` sets False
+    # Whether a head's norms store ``w - 1`` as this checkpoint's do (``runner.heads``); None:
+    # the family does not know, and the head's own weights decide.
+    head_norm_shift: bool | None = None
     # ``hidden`` takes ``on_layer`` (and the caches rewind to any offset of the last feed):
     # prefill evaluates and polls long chunks layer by layer. A family with its own
     # ``hidden`` states its own.
