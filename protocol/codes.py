@@ -39,6 +39,7 @@ MISSING_TENSOR = "missing_tensor"
 TOKENIZER_MISSING = "tokenizer_missing"
 UNSUPPORTED_TOKENIZER = "unsupported_tokenizer"
 DRAFT_HEAD_ERROR = "draft_head_error"
+UNSUPPORTED_TENSOR_TYPE = "unsupported_tensor_type"  # e.g. a GGUF IQ* or Q2_K tensor
 
 LOAD_ERROR_CODES = (
     LOAD_ERROR,
@@ -50,6 +51,7 @@ LOAD_ERROR_CODES = (
     TOKENIZER_MISSING,
     UNSUPPORTED_TOKENIZER,
     DRAFT_HEAD_ERROR,
+    UNSUPPORTED_TENSOR_TYPE,
 )
 
 DONE_REASONS = ("stop", "length", "cancelled", "error")

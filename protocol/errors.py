@@ -13,6 +13,7 @@ from protocol.codes import (
     TENSOR_SHAPE_MISMATCH,
     TOKENIZER_MISSING,
     UNSUPPORTED_ARCHITECTURE,
+    UNSUPPORTED_TENSOR_TYPE,
     UNSUPPORTED_TOKENIZER,
 )
 from protocol.frames import Error
@@ -66,13 +67,20 @@ class ModelFileMissing(LoadError):
 
 
 class CorruptModelFile(LoadError):
-    """Present but unreadable: truncated safetensors, bad JSON, a GGUF mx.load refuses."""
+    """Present but unreadable: truncated safetensors, bad JSON, a GGUF the reader refuses."""
 
     code = CORRUPT_MODEL_FILE
 
 
 class UnsupportedArchitecture(LoadError):
     code = UNSUPPORTED_ARCHITECTURE
+
+
+class UnsupportedTensorType(LoadError):
+    """A tensor stored in a type the runner cannot compute with (a GGUF IQ*, Q2_K, Q3_K, ...
+    tensor); the message names the tensor, its type and the supported types."""
+
+    code = UNSUPPORTED_TENSOR_TYPE
 
 
 class TensorShapeMismatch(LoadError):

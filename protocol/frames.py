@@ -30,6 +30,8 @@ class Ready(msgspec.Struct, tag="ready", tag_field="type"):
     mtp: bool
     mtp_detail: str
     blas: str
+    # The model's weights as held in memory (quantized ones as kept: no float copy), bytes.
+    weights_bytes: int = 0
 
 
 class TopLogprob(msgspec.Struct):
@@ -109,6 +111,7 @@ class StatusFrame(msgspec.Struct, tag="status", tag_field="type"):
     cache_bytes: int
     memory_bytes: int
     speculation_depth: int
+    weights_bytes: int = 0
     speculation: dict[str, Any] = {}
     # Every running completion, oldest first (``--parallel``); ``active`` is the first.
     active_ids: list[str] = []

@@ -123,7 +123,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-quantized",
         action="store_true",
         default=None,
-        help="run quantized weights as they are instead of dequantizing",
+        help="run quantized weights as stored (the default where the device can: MLX's "
+        "products on a GPU, runner.native's quantized panels on the CPU)",
+    )
+    p.add_argument(
+        "--dequantize",
+        dest="keep_quantized",
+        action="store_false",
+        default=None,
+        help="dequantize quantized weights to float at load (more memory, slower on the CPU)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("q4", "q8"),
+        help="quantize float weights at load (affine, groups of 64; the head's too): a quarter "
+        "(q8) or an eighth (q4) of float32's memory, faster products on the CPU",
+    )
+    p.add_argument(
+        "--float-head",
+        action="store_true",
+        help="with --quantize, keep the MTP head's weights in float",
+    )
+    p.add_argument(
+        "--exact-products",
+        action="store_true",
+        help="multiply quantized weights bit-for-bit as their dequantized float32 values "
+        "(slower; default: activations quantized to int8 per row, as llama.cpp does)",
     )
     p.add_argument(
         "--weight-layout",
@@ -196,6 +221,9 @@ def engine_factory(args: argparse.Namespace):
             prefill_chunk=args.prefill_chunk,
             dtype=args.dtype,
             keep_quantized=args.keep_quantized,
+            exact_products=args.exact_products,
+            quantize={"q4": 4, "q8": 8}.get(args.quantize),
+            quantize_head=not args.float_head,
             weight_layout=args.weight_layout,
             row_layout=args.row_layout,
             compile=not args.no_compile,

@@ -31,9 +31,18 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from runner import blas, native
-from runner.models.layers import add_row_layout, linears_to_panels, pack_for_cpu, to_panels
+from runner.models.layers import (
+    PanelEmbedding,
+    add_row_layout,
+    linears_to_panels,
+    pack_for_cpu,
+    quantize_in_panels,
+    set_exact_products,
+    to_panels,
+)
 from runner.models.llama import MLP, Attention, CompiledBlock, DecoderLayer, Model
 from runner.models.moe import lay_out_experts
 
@@ -90,6 +99,9 @@ def tune(
     compile: bool = True,
     fast_kernels: bool | None = None,
     expert_layout: str | None = None,
+    exact_products: bool = False,
+    quantize: int | None = None,
+    quantize_head: bool = True,
 ) -> Tuning:
     """Lay out and compile ``model`` (a ``runner.models`` model) and ``head`` (its MTP head)
     for the default device, once, right after loading; return what was applied.
@@ -100,16 +112,24 @@ def tune(
     where the BLAS gains from it. ``fast_kernels`` None: on a GPU only (tests force either
     path on the CPU). ``expert_layout`` "hf" keeps a MoE model's routed experts as loaded
     (``scripts/bench/moe.py`` measures the layouts against each other); None: they follow
-    ``layout`` (``runner.models.moe.lay_out_experts``).
+    ``layout`` (``runner.models.moe.lay_out_experts``). ``exact_products``: quantized panels
+    (the loader's, on the CPU) multiply bit-for-bit as their dequantized weight instead of
+    with int8 activations. ``quantize`` (4 or 8 bits) quantizes the float weights first
+    (affine, groups of 64: quantized panels on the CPU, MLX's quantized layers on a GPU), the
+    head's too unless ``quantize_head`` is False.
     """
     if expert_layout not in (None, "hf"):
         raise ValueError(f"expert_layout must be None or 'hf', not {expert_layout!r}")
     cpu = on_cpu()
+    set_exact_products(exact_products)
     layout = resolve_layout(layout, cpu)
     fast = (not cpu) if fast_kernels is None else fast_kernels
     parts = [model] + ([head] if head is not None else [])
     for part in parts:
         set_kernels(part, fast)
+    if quantize is not None:
+        for part in parts if quantize_head else [model]:
+            quantize_weights(part, quantize, cpu)
     _lay_out_weights(model, head, layout, expert_layout)
     rows = False
     if head is not None and layout == "packed":
@@ -164,6 +184,20 @@ def _lay_out_weights(
 # --- the steps (each walks the modules below the one it is given)
 
 
+def quantize_weights(module: nn.Module, bits: int, cpu: bool) -> int:
+    """Quantize ``module``'s float products and embeddings at ``bits`` (groups of 64, mlx-lm's
+    recipe): quantized panels on the CPU (``runner.models.layers.quantize_in_panels``), MLX's
+    quantized layers on a GPU. Returns how many layers (GPU: every quantizable one)."""
+    if bits not in (4, 8):
+        raise ValueError(f"quantize takes 4 or 8 bits, not {bits}")
+    if cpu and native.qpanels_available():
+        return quantize_in_panels(module, bits)
+    if cpu:
+        raise ValueError(f"quantizing at load needs runner.native on the CPU: {native.reason()}")
+    nn.quantize(module, group_size=64, bits=bits)
+    return sum(1 for _, m in module.named_modules() if isinstance(m, nn.QuantizedLinear))
+
+
 def _pack_model(model: nn.Module) -> None:
     """Store a target's dense weights transposed for fast one-row products
     (``runner.models.layers.pack_for_cpu``), fuse its projections, and give a tied output
@@ -174,6 +208,8 @@ def _pack_model(model: nn.Module) -> None:
     embed = model.model.embed_tokens
     if model.args.tie_word_embeddings and type(embed) is nn.Embedding:
         model._embed_t = mx.contiguous(embed.weight.T)
+    elif model.args.tie_word_embeddings and isinstance(embed, PanelEmbedding):
+        model._embed_t = embed._table  # the one copy: lookups and the product share it
     mx.eval([v for _, v in private_arrays(model)])
 
 
@@ -202,6 +238,27 @@ def to_panel_layout(module: nn.Module) -> int:
                 count += 1
     mx.eval([v for _, v in private_arrays(module)])
     return count
+
+
+def weight_bytes(*modules: nn.Module | None) -> int:
+    """Bytes of the weights ``modules`` hold: parameters and private arrays, each array once
+    (a fused product's parts are views of it; a tied table and its output projection are one
+    array)."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        if module is None:
+            continue
+        arrays = [v for _, v in tree_flatten(module.parameters())]
+        for _, child in module.named_modules():
+            if getattr(child, "fused", False):
+                continue  # its _wt is a view of the fused array, counted with its owner
+            arrays += [v for k, v in child.items() if k.startswith("_") and isinstance(v, mx.array)]
+        for array in arrays:
+            if id(array) not in seen:
+                seen.add(id(array))
+                total += array.nbytes
+    return total
 
 
 def private_arrays(module: nn.Module) -> Iterator[tuple[str, mx.array]]:

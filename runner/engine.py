@@ -63,7 +63,12 @@ class EngineOptions:
     prefix_cache: bool = True
     prefill_chunk: int = 512
     dtype: str = "auto"
-    keep_quantized: bool | None = None
+    keep_quantized: bool | None = None  # None: where the device has a quantized product
+    # Quantized panels multiplied bit-for-bit as their dequantized weight (slower); default:
+    # int8 activations per row (runner.native.quantized).
+    exact_products: bool = False
+    quantize: int | None = None  # 4 or 8: quantize a float checkpoint at load (device.tune)
+    quantize_head: bool = True  # the MTP head too
     weight_layout: str = "auto"  # runner.device.LAYOUTS
     # With a head on packed weights, also keep the [out, in] weights of o and down for verify
     # rows (their memory once more). None: where the BLAS in use gains from it.
@@ -84,6 +89,7 @@ class EngineInfo:
     mtp_detail: str
     blas: str
     tuning: str  # what runner.device.tune applied
+    weights_bytes: int = 0  # the target's and head's weights as held (runner.device)
 
 
 class Engine:
@@ -119,6 +125,9 @@ class Engine:
             layout=options.weight_layout,
             row_layout=options.row_layout,
             compile=options.compile,
+            exact_products=options.exact_products,
+            quantize=options.quantize,
+            quantize_head=options.quantize_head,
         )
         self.speculation: Speculation | None = None
         if head is not None:
@@ -142,6 +151,7 @@ class Engine:
             mtp_detail=mtp_detail,
             blas=blas.blas_in_use(),
             tuning=self.tuning.describe(),
+            weights_bytes=device.weight_bytes(self.model, head),
         )
 
     def _head(self) -> tuple[object | None, str]:
@@ -244,6 +254,7 @@ class Engine:
             "cache_entries": self.prefix.entries,
             "cache_bytes": self.prefix.nbytes,
             "memory_bytes": int(mx.get_active_memory()),
+            "weights_bytes": self.info.weights_bytes,
             **speculation,
         }
 

@@ -1,8 +1,9 @@
 """GGUF files: hyper-parameters and tensors mapped to the Hugging Face layout, and a tokenizer.
 
-``mx.load`` reads GGUF and hands Q4_0/Q4_1/Q8_0 tensors over as MLX affine-quantized triples
-(``weight``/``scales``/``biases``, group size 32). llama.cpp's converter permutes the rows of
-llama Q/K projections for interleaved RoPE; we undo that so every model in memory has the
+``runner.gguf_tensors`` reads the file (llama.cpp's ``gguf`` reader): dense tensors as
+``mx.array``, quantized ones (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q4_K/Q5_K/Q6_K) as lazy
+``runner.quantized.QuantizedTensor`` objects, exact. llama.cpp's converter permutes the rows
+of llama Q/K projections for interleaved RoPE; we undo that so every model in memory has the
 Hugging Face layout (rotate-half RoPE), whatever file it came from.
 """
 
@@ -12,15 +13,18 @@ import os
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture, UnsupportedTokenizer
 from runner import chat_template
 from runner.chat_template import ChatTemplate
+from runner.gguf_tensors import GGUFQuantized, read_gguf_file
 from runner.models.config import refuse
 from runner.tokenizer import Tokenizer
 
-# Q4_0/Q4_1/Q8_0 blocks as mx.load hands them over.
+# The group size of Q4_0/Q4_1/Q5_*/Q8_0 (K-quants: 32, Q6_K: 16; each tensor carries its own).
 GROUP_SIZE = 32
+Tensor = mx.array | GGUFQuantized
 Progress = Callable[[str, int, int], None]
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -63,17 +67,15 @@ _DIGIT_SPLITTING = {"smollm", "starcoder", "refact"}
 
 
 def _scalar(v):
+    """A metadata value as plain Python (metadata given as ``mx.array`` values included)."""
     if isinstance(v, mx.array):
         return v.item() if v.size == 1 else v.tolist()
     return v
 
 
-def read_gguf(path: str) -> tuple[dict[str, mx.array], dict]:
-    try:
-        weights, meta = mx.load(path, return_metadata=True)
-    except Exception as exc:
-        raise CorruptModelFile(f"cannot read GGUF ({exc})", path=path) from None
-    return weights, meta
+def read_gguf(path: str) -> tuple[dict[str, Tensor], dict]:
+    """``(tensors, metadata)`` of a GGUF file (see ``runner.gguf_tensors.read_gguf_file``)."""
+    return read_gguf_file(path)
 
 
 def gguf_config(meta: dict, path: str) -> dict:
@@ -133,17 +135,21 @@ def gguf_config(meta: dict, path: str) -> dict:
     return config
 
 
-def _unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
-    """Invert llama.cpp's Q/K row permutation (interleaved pairs -> rotate-half halves)."""
+def _unpermute_rows(w: Tensor, n_heads: int) -> Tensor:
+    """Invert llama.cpp's Q/K row permutation (interleaved pairs -> rotate-half halves); a
+    quantized tensor's rows are whole blocks, so they are reordered (lazily) as they are."""
     rows = w.shape[0]
     head_dim = rows // n_heads
+    if isinstance(w, GGUFQuantized):
+        order = np.arange(rows).reshape(n_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(rows)
+        return w.take_rows(order)
     rest = w.shape[1:]
     return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def map_gguf_tensors(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
+def map_gguf_tensors(weights: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
     """Rename GGUF tensors to Hugging Face names and undo the llama Q/K permutation."""
-    out: dict[str, mx.array] = {}
+    out: dict[str, Tensor] = {}
     for name, w in weights.items():
         stem, _, suffix = name.rpartition(".")
         if stem.startswith("blk."):
@@ -223,10 +229,10 @@ def gguf_tokenizer(meta: dict, path: str) -> Tokenizer:
 
 def read_checkpoint(
     path: str, report: Progress
-) -> tuple[dict, dict[str, mx.array], Tokenizer, str, ChatTemplate | None]:
+) -> tuple[dict, dict[str, Tensor], Tokenizer, str, ChatTemplate | None]:
     """(Hugging Face style config, tensors under Hugging Face names, tokenizer, name, chat
     template) of a GGUF file; the loader builds and loads the model from them as from a
-    directory."""
+    directory. Quantized tensors arrive as lazy ``GGUFQuantized`` objects."""
     report("read", 0, 1)
     weights, meta = read_gguf(path)
     report("read", 1, 1)

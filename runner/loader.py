@@ -28,11 +28,14 @@ from protocol.errors import (
     TokenizerMissing,
     UnsupportedArchitecture,
 )
-from runner import gguf
+from runner import gguf, native
 from runner.chat_template import ChatTemplate, from_directory
 from runner.models import build_model
 from runner.models import config as config_reader
+from runner.models.layers import Linear, PanelEmbedding
 from runner.models.llama import Model
+from runner.native.quantized import kernel_bits, to_qpanels
+from runner.quantized import MlxAffine, QuantizedTensor, affine_dense
 from runner.tokenizer import Tokenizer
 
 Progress = Callable[[str, int, int], None]
@@ -163,15 +166,17 @@ def load_model(
 ) -> LoadedModel:
     """Load a Hugging Face directory or a GGUF file; every failure is a typed ``LoadError``.
 
-    ``keep_quantized`` defaults to False on CPU (dequantize to ``dtype``, since BLAS only
-    covers dense float32 there) and True elsewhere. The weights stay in the Hugging Face
-    layout; ``runner.device.tune`` lays them out for the device.
+    ``keep_quantized`` (None: yes, where the device has a quantized product: MLX's on a GPU,
+    ``runner.native``'s quantized panels on the CPU): run quantized weights as stored; False:
+    dequantize them to ``dtype`` at load. On the CPU a kept weight goes straight into the
+    native product's quantized panels (no float copy); other weights stay in the Hugging Face
+    layout for ``runner.device.tune`` to lay out.
     """
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         raise ModelFileMissing("model path does not exist", path=path)
     if keep_quantized is None:
-        keep_quantized = mx.default_device() != mx.cpu
+        keep_quantized = mx.default_device() != mx.cpu or native.qpanels_available()
     target_dtype = _parse_dtype(dtype)
     report = progress or (lambda stage, done, total: None)
     read = _read_gguf(path, report) if os.path.isfile(path) else _read_hf(path, report)
@@ -251,15 +256,63 @@ def _load_weights(
     widths = input_widths(model)
     own = {k: v for k, v in weights.items() if k.rpartition(".")[0] in widths}
     specs = quantized_modules(own, read.quantization, in_dims=widths, path=path, sources=sources)
-    quantized = bool(specs)
-    if quantized and keep_quantized:
+    quantized = bool(specs) or any(not isinstance(v, mx.array) for v in weights.values())
+    kept = False
+    if quantized and keep_quantized and mx.default_device() == mx.cpu:
+        # Stacked experts ([E, out, in]) have no quantized product on the CPU yet: float32.
+        stacked = {b: spec for b, spec in specs.items() if weights[b + ".weight"].ndim != 2}
+        if stacked:
+            dequantize(weights, specs=stacked, path=path, sources=sources)
+        report("quantized panels", 0, 1)
+        flat = {b: spec for b, spec in specs.items() if b not in stacked}
+        kept = keep_in_panels(model, weights, flat, path=path)
+    elif quantized and keep_quantized:
         quantize_model(model, weights, specs)
-    elif quantized:
+        kept = bool(specs)
+    elif specs:
         report("dequantize", 0, 1)
         dequantize(weights, specs=specs, path=path, sources=sources)
+    for name in [k for k, v in weights.items() if not isinstance(v, mx.array)]:
+        weights[name] = mx.array(affine_dense(*weights[name].unpack()))  # not kept: float32
     extras = check_and_load(model, weights, path=path, sources=sources, dtype=dtype)
     refuse_unused_parameters(model, extras, sources, path)
-    return quantized and keep_quantized, extras
+    return kept, extras
+
+
+def keep_in_panels(
+    model: nn.Module, weights: dict, specs: dict[str, tuple[int, int]], *, path: str
+) -> bool:
+    """Move every quantized weight the native product runs (a ``Linear`` or an embedding
+    whose output width is whole panels, groups of 16 or a multiple of 32) out of ``weights``
+    into its module as quantized panels, one tensor at a time (the unpacked copy of one
+    tensor at most is alive); what it does not take stays in ``weights`` as a quantized
+    tensor, dequantized by the caller. Returns whether any weight was kept quantized."""
+    for base, (group, bits) in specs.items():
+        packed = weights.pop(base + ".weight")
+        scales, biases = weights.pop(base + ".scales"), weights.pop(base + ".biases")
+        weights[base + ".weight"] = MlxAffine(packed, scales, biases, group, bits)
+    modules = dict(model.named_modules())
+    kept = False
+    for name in [k for k, v in weights.items() if not isinstance(v, mx.array)]:
+        tensor: QuantizedTensor = weights[name]
+        base = name.rpartition(".")[0]
+        module = modules.get(base)
+        n, _ = tensor.shape
+        runs = n % native.PANEL == 0 and (tensor.group == 16 or tensor.group % 32 == 0)
+        if not runs or not isinstance(module, Linear | nn.Embedding):
+            continue
+        values, scales, biases = tensor.unpack()
+        panels = to_qpanels(values, scales, biases, kernel_bits(tensor.bits))
+        mx.eval(panels)
+        del weights[name], values, scales, biases
+        if isinstance(module, Linear):
+            module._wt = panels
+            del module["weight"]
+        else:
+            parent, _, key = base.rpartition(".")
+            setattr(modules[parent], key, PanelEmbedding(panels, n))
+        kept = True
+    return kept
 
 
 def _directory_template(directory: str) -> ChatTemplate | None:

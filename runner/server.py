@@ -293,6 +293,7 @@ class Server:
                 info.mtp,
                 info.mtp_detail,
                 info.blas,
+                info.weights_bytes,
             )
         )
         threading.Thread(target=self._prepare_loop, daemon=True, name="prepare").start()

@@ -41,6 +41,30 @@ def default_model() -> str:
     return default_model_path()
 
 
+@pytest.fixture(params=[True, False], ids=["exact", "int8"])
+def product_path(request):
+    """Each quantized-panel product path in turn: exact (bit-for-bit the dequantized float32
+    product) and the default int8-activation one; restores the default after the test."""
+    from runner.models.layers import exact_products, set_exact_products
+
+    before = exact_products()
+    set_exact_products(request.param)
+    yield request.param
+    set_exact_products(before)
+
+
+@pytest.fixture
+def exact_products():
+    """Quantized panels multiply exactly for this test (graphs built in it)."""
+    from runner.models.layers import exact_products as current
+    from runner.models.layers import set_exact_products
+
+    before = current()
+    set_exact_products(True)
+    yield
+    set_exact_products(before)
+
+
 @pytest.fixture(scope="session")
 def default_loaded(default_model):
     """The default model loaded once per test session (float32, packed)."""

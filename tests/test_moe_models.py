@@ -316,9 +316,12 @@ def test_quantized_checkpoint_keeps_gather_qmm_experts(tmp_path):
     config["quantization"] = {"group_size": 32, "bits": 8}
     (target / "config.json").write_text(json.dumps(config))
     kept = load_model(str(target), dtype="float32", keep_quantized=True)
-    assert kept.quantized
     switch = kept.model.layers[0].mlp.switch_mlp
-    assert isinstance(switch.up_proj, moe.QuantizedSwitchLinear)
+    if mx.default_device() == mx.cpu:
+        # No quantized product for stacked experts on the CPU yet: they run dequantized.
+        assert not kept.quantized and isinstance(switch.up_proj, moe.SwitchLinear)
+    else:
+        assert kept.quantized and isinstance(switch.up_proj, moe.QuantizedSwitchLinear)
     assert isinstance(switch.down_proj, moe.SwitchLinear)
     flat = load_model(str(target), dtype="float32", keep_quantized=False)
     for prompt in ref("qwen3_moe").prompts:

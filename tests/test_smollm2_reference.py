@@ -103,7 +103,8 @@ def reference(default_model):
     return NumpyLlama(default_model)
 
 
-def test_logits_match_numpy_float64(default_loaded, reference):
+def test_logits_match_numpy_float64(default_loaded, reference, exact_products):
+    """The model's math: the weights kept quantized, multiplied exactly."""
     ids = default_loaded.tokenizer.encode(PROMPT + "Photosynthesis is")[:16]
     assert len(ids) == 16
     model = default_loaded.model
@@ -114,7 +115,20 @@ def test_logits_match_numpy_float64(default_loaded, reference):
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_greedy_continuation_matches_numpy(default_loaded, reference):
+def test_int8_activations_keep_the_logits_close(default_loaded, reference):
+    """The default products (int8 activations per 32 inputs) stay within a few percent of the
+    float64 logits' span and pick the same tokens on this prompt."""
+    ids = default_loaded.tokenizer.encode(PROMPT + "Photosynthesis is")[:16]
+    model = default_loaded.model
+    got = np.array(model.forward(mx.array([ids]), model.make_caches())[0][0], dtype=np.float64)
+    want = reference.logits(ids)
+    span = want.max() - want.min()
+    assert np.abs(got - want).max() < 0.1 * span
+    assert np.abs(got - want).mean() < 1e-2 * span
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_greedy_continuation_matches_numpy(default_loaded, reference, product_path):
     model = default_loaded.model
     ids = default_loaded.tokenizer.encode(PROMPT)
     caches = model.make_caches()

@@ -8,6 +8,11 @@ Two CPU layouts, applied once after loading by ``runner.device.tune``:
   few-row product reads once for all rows, so 2-16 verify rows cost about one row, and every
   row's result is the same whatever batch it is computed in.
 
+A quantized checkpoint on the CPU arrives in a third form, set by the loader: quantized
+panels, ``_wt`` uint8 ``[out / 16, in / group, ...]`` (``runner.native.quantized``), 4- or 8-bit
+values multiplied without a float copy; a tied embedding becomes a :class:`PanelEmbedding`
+whose lookups read the output projection's panels.
+
 The Hugging Face layout stays readable through :func:`dense_weight` in every case.
 """
 
@@ -22,12 +27,50 @@ from runner import native
 # libraries pack the transposed operand on every multi-row call (blas.row_layout_pays).
 MAX_ROWS_LEFT = 16
 
+# Quantized panels multiply bit-for-bit as their dequantized weight (True) or with int8
+# activations (False, faster); one choice per process, made at load (runner.device.tune).
+_exact_products = False
+
+
+def set_exact_products(exact: bool) -> None:
+    """How every quantized panel product computes from now on (graphs built after the call)."""
+    global _exact_products
+    _exact_products = bool(exact)
+
+
+def exact_products() -> bool:
+    return _exact_products
+
 
 def product(x: mx.array, wt: mx.array) -> mx.array:
-    """``x @ W`` for ``wt`` packed (2-D, ``[in, out]``) or in panels (3-D)."""
+    """``x @ W`` for ``wt`` packed (2-D, ``[in, out]``), in panels (3-D) or in quantized
+    panels (4-D uint8)."""
+    if wt.ndim == 4:
+        return native.qpanel_matmul(x, wt, wt.shape[0] * native.PANEL, exact=_exact_products)
     if wt.ndim == 3:
         return native.panel_matmul(x, wt, wt.shape[0] * native.PANEL)
     return x @ wt
+
+
+class PanelEmbedding(nn.Module):
+    """An embedding table kept as the quantized panels of its transpose, the product a tied
+    output projection runs (``[D, V]``, one column per token): a lookup reads each token's
+    column (``runner.native.quantized.columns``), so the table is stored once, quantized."""
+
+    def __init__(self, panels: mx.array, num_embeddings: int) -> None:
+        super().__init__()
+        self._table = panels
+        self.num_embeddings = num_embeddings
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return native.quantized.columns(self._table, ids)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return product(x, self._table)[..., : self.num_embeddings]
+
+    def dense(self) -> mx.array:
+        """The float32 ``[V, D]`` table (a draft vocabulary's rows, training)."""
+        return native.quantized.dense(self._table, self.num_embeddings).T
 
 
 def to_panels(wt: mx.array) -> mx.array | None:
@@ -45,7 +88,7 @@ class Linear(nn.Linear):
         wt = self.get("_wt")
         if wt is None:
             return super().__call__(x)
-        if wt.ndim == 3:
+        if wt.ndim >= 3:
             y = product(x, wt)
             return y + self["bias"] if "bias" in self else y
         w = self.get("_w_rows")
@@ -65,10 +108,12 @@ class Linear(nn.Linear):
 
 def fuse_linears(owner: nn.Module, key: str, parts: list[nn.Module]) -> bool:
     """Store one ``[in, sum of outs]`` weight for packed projections that read the same input
-    as ``owner[key]`` (a bias, when they all have one, as ``owner[key + "_bias"]``); False when
-    they cannot share one (quantized, unpacked, mixed biases, already fused). The parts keep
-    their ``_wt`` as column views of the fused matrix, so ``dense_weight`` still reads them and
-    no weight is stored twice. :func:`fused_product` applies it."""
+    as ``owner[key]`` (a bias, when they all have one, as ``owner[key + "_bias"]``), or one
+    quantized-panel array for parts in quantized panels of one width and group (their panels
+    concatenated); False when they cannot share one (MLX-quantized, unpacked, mixed layouts or
+    biases, already fused). The parts keep their ``_wt`` as views of the fused weight, so
+    ``dense_weight`` still reads them and no weight is stored twice. :func:`fused_product`
+    applies it."""
     if not all(
         isinstance(p, Linear) and "_wt" in p and not getattr(p, "fused", False) for p in parts
     ):
@@ -76,14 +121,23 @@ def fuse_linears(owner: nn.Module, key: str, parts: list[nn.Module]) -> bool:
     biased = ["bias" in p for p in parts]
     if any(biased) and not all(biased):
         return False
-    fused = mx.contiguous(mx.concatenate([p._wt for p in parts], axis=1))
+    dims = {p._wt.ndim for p in parts}
+    if dims == {4}:  # quantized panels fuse along their panels when width and group agree
+        if len({tuple(p._wt.shape[1:]) for p in parts}) != 1:
+            return False
+        axis = 0
+    elif dims == {2}:
+        axis = 1
+    else:
+        return False
+    fused = mx.contiguous(mx.concatenate([p._wt for p in parts], axis=axis))
     owner[key] = fused
     if all(biased):
         owner[key + "_bias"] = mx.concatenate([p["bias"] for p in parts])
     start = 0
     for p in parts:
-        width = p._wt.shape[1]
-        p._wt = fused[:, start : start + width]
+        width = p._wt.shape[axis]
+        p._wt = fused[start : start + width] if axis == 0 else fused[:, start : start + width]
         p.fused = True  # add_row_layout skips it: the fused product serves every row count
         start += width
     return True
@@ -106,9 +160,42 @@ def dense_weight(layer: nn.Module) -> mx.array:
     wt = layer.get("_wt")
     if wt is None:
         return layer.weight
+    if wt.ndim == 4:
+        return native.quantized.dense(wt, wt.shape[0] * native.PANEL).T
     if wt.ndim == 3:  # panels [out / P, in, P] -> [out, in]
         return wt.transpose(0, 2, 1).reshape(-1, wt.shape[1])
     return wt.T
+
+
+def quantize_in_panels(module: nn.Module, bits: int, group: int = 64) -> int:
+    """Quantize every float ``Linear`` and ``nn.Embedding`` below ``module`` into quantized
+    panels (MLX's affine quantization, ``bits`` 4 or 8, ``group`` inputs per scale: mlx-lm's
+    recipe), in place, one weight at a time; returns how many. Layers whose shape the panels
+    do not take (outputs not whole panels, inputs not whole groups) stay float."""
+    from runner.native.quantized import to_qpanels
+    from runner.quantized import MlxAffine
+
+    count = 0
+    modules = dict(module.named_modules())
+    for name, child in list(modules.items()):
+        embedding = type(child) is nn.Embedding
+        if not (embedding or (isinstance(child, Linear) and "weight" in child)):
+            continue
+        out, width = child.weight.shape
+        if out % native.PANEL or width % group:
+            continue
+        packed, scales, biases = mx.quantize(child.weight, group_size=group, bits=bits)
+        values, scales, biases = MlxAffine(packed, scales, biases, group, bits).unpack()
+        panels = to_qpanels(values, scales, biases, bits)
+        mx.eval(panels)
+        if embedding:
+            parent, _, key = name.rpartition(".")
+            setattr(modules[parent] if parent else module, key, PanelEmbedding(panels, out))
+        else:
+            child._wt = panels
+            del child["weight"]
+        count += 1
+    return count
 
 
 def pack_for_cpu(module: nn.Module) -> int:

@@ -19,6 +19,7 @@ from runner.models.attention import serves as serves_blocked
 from runner.models.config import read_llama_family, text_config
 from runner.models.layers import (
     Linear,
+    PanelEmbedding,
     dense_weight,
     fuse_linears,
     fused_product,
@@ -153,8 +154,25 @@ class Attention(nn.Module):
         self, q: mx.array, k: mx.array, v: mx.array, mask: Mask, cache: KVCache
     ) -> mx.array:
         """Append k, v to the cache and attend over what it returns (everything cached, or a
-        sliding window's keys with ``mask`` from :func:`window_mask`): ``[B, heads, L, dim]``."""
+        sliding window's keys with ``mask`` from :func:`window_mask`): ``[B, heads, L, dim]``.
+
+        A causal feed of a few rows (a speculative verify) attends row by row, each row over
+        the keys up to its own position: the very computation, shapes and all, that decoding
+        those tokens one at a time runs, so verify rows give plain decoding's bits (with int8
+        activations a last-bit difference in one layer moves the roundings of the next)."""
         k, v = cache.update_and_fetch(k, v)
+        rows = q.shape[2]
+        if 1 < rows <= ROW_BY_ROW and isinstance(mask, str) and not self.fast:
+            keys = k.shape[2] - rows
+            return mx.concatenate(
+                [
+                    self._attend(
+                        q[:, :, i : i + 1], k[:, :, : keys + i + 1], v[:, :, : keys + i + 1], None
+                    )
+                    for i in range(rows)
+                ],
+                axis=2,
+            )
         if self.softcap is not None or (
             not self.fast and (mask is None or isinstance(mask, str) or mask.ndim == 2)
         ):
@@ -195,6 +213,10 @@ class Attention(nn.Module):
             scores = scores.reshape(batch, groups, per_group * length, keys)
         weights = mx.softmax(scores, axis=-1, precise=True)
         return (weights @ v).reshape(batch, heads, length, dim)
+
+
+# Causal feeds of up to this many rows attend row by row (Attention.attend_cached).
+ROW_BY_ROW = 16
 
 
 class MLP(nn.Module):
@@ -473,18 +495,21 @@ class Model(nn.Module):
         # Soft-capped scores take the composed kernel, so they need the shared array mask.
         fast = attn0.fast and attn0.softcap is None
         full = mask
+        few = mask is None and 1 < length <= ROW_BY_ROW and not fast
         if mask is None and length > 1:
             # The fused kernel takes "causal" (lower-right aligned), and so does the blocked
             # kernel of long feeds (it masks only the key tiles crossing the diagonal); the
             # five-op one adds a mask built once for every layer.
+            # A few rows (a verify) attend row by row (Attention.attend_cached): "causal".
             blocked = serves_blocked(length, x.dtype, "causal")
-            full = "causal" if fast or blocked else causal_mask(offset, length, x.dtype)
+            full = "causal" if fast or blocked or few else causal_mask(offset, length, x.dtype)
         # One mask per window and one RoPE table per group, shared by the layers using them.
         masks: dict[tuple[int, int], Mask] = {}
         tables: dict[str, RopeTables] = {}
         for index, (layer, cache) in enumerate(zip(self.model.layers, caches, strict=True)):
             layer_mask = full
-            if layer.window is not None:
+            if layer.window is not None and not (few and offset + length <= layer.window):
+                # (A window that has not yet slid is causal: a few rows attend row by row.)
                 if mask is not None:
                     raise ValueError("per-sequence masks are not supported with sliding layers")
                 start = cache.window_lo(offset)
@@ -573,6 +598,8 @@ class Model(nn.Module):
                 return mx.dequantize(
                     embed.weight, embed.scales, embed.get("biases"), embed.group_size, embed.bits
                 )
+            if isinstance(embed, PanelEmbedding):
+                return embed.dense()
             return embed.weight
         return dense_weight(self.lm_head)
 

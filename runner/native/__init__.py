@@ -35,6 +35,8 @@ import os
 
 import mlx.core as mx
 
+from runner.native import quantized
+
 PANEL = 16  # columns per panel (kernels.h kPanel)
 SMALL_ROWS = 16  # M <= SMALL_ROWS (decode, verify rows) runs on one thread by default
 
@@ -266,3 +268,34 @@ def flash_attention(
             + (_reason or "rebuild it with `python -m runner.native.build`")
         )
     return _ext.flash_attention(q, k, v, scale, causal, threads or LARGE_M_THREADS)
+
+
+def qpanels_available() -> bool:
+    """Whether the compiled module has the quantized panel product."""
+    return _ext is not None and hasattr(_ext, "qpanel_matmul")
+
+
+def qpanel_isa() -> str | None:
+    """The fast quantized product's integer path (``avx512-vnni``, ``avx512bw`` or
+    ``portable``), None without the product."""
+    return _ext.qpanel_isa() if qpanels_available() else None
+
+
+def qpanel_matmul(
+    x: mx.array, panels: mx.array, n: int, *, exact: bool = False, threads: int | None = None
+) -> mx.array:
+    """``x @ W`` ([..., K] -> [..., n]) for W given as quantized panels
+    (:func:`runner.native.quantized.to_qpanels`). ``exact``: bit-for-bit the float32 panel
+    product of the dequantized weight; otherwise each row of ``x`` quantized to int8 per
+    block of 32 inputs (``qkernels.h``). Either way row ``i``'s result does not depend on the
+    other rows. ``threads`` defaults as for :func:`panel_matmul`. Without the compiled
+    product: the dequantized weight through MLX (the exact values, slowly)."""
+    if x.ndim < 1 or panels.ndim != 4 or x.shape[-1] != quantized.layout(panels)[0]:
+        raise ValueError(
+            f"qpanel_matmul: x {tuple(x.shape)} does not match panels {tuple(panels.shape)}"
+        )
+    if not qpanels_available() or x.dtype != mx.float32:
+        return x @ quantized.dense(panels, n).astype(x.dtype)
+    if threads is None:
+        threads = 1 if _rows(x) <= SMALL_ROWS else LARGE_M_THREADS
+    return _ext.qpanel_matmul(x, panels, n, exact, threads)

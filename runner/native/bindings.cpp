@@ -10,6 +10,7 @@
 #include "kernels.h"
 #include "attention.h"
 #include "gathered.h"
+#include "quantized.h"
 #include "mlx/version.h"
 #include "smallrow.h"
 
@@ -56,6 +57,20 @@ NB_MODULE(_smallrow, m) {
       "stream"_a = nb::none(),
       "softmax(scale q k^T + causal mask) v for q [B, H, L, D] and k, v [B, G, T, D] (G divides "
       "H), fused per block of query rows; threads splits the blocks.");
+  m.def(
+      "qpanel_matmul",
+      &mtp_native::qpanel_matmul,
+      "x"_a,
+      "panels"_a,
+      "n"_a,
+      "exact"_a,
+      "threads"_a = 1,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "y[..., n] = x[..., K] @ W[K, n] with W as quantized panels (uint8 [NB, K / group, "
+      "64 / bits + group, 2 bits]); exact: bit-for-bit the float32 product of the dequantized "
+      "weight, else int8 activations per row; threads splits the panels.");
+  m.def("qpanel_isa", &mtp_native::qpanel_isa, "The quantized fast product's integer path.");
   m.def("attention_isa", &mtp_native::attention_isa, "The attention kernel path compiled in.");
   m.def("isa", &mtp_native::isa, "The kernel path compiled in: avx512, avx2 or portable.");
   m.attr("PANEL") = smallrow::kPanel;

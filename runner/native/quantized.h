@@ -1,0 +1,50 @@
+// MLX primitive for few-row products over quantized column panels (qkernels.h): y = x @ W with
+// W stored as 4- or 8-bit values and a float32 scale and bias per group of inputs.
+
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/utils.h"
+#include "primitive.h"
+
+namespace mtp_native {
+
+namespace mx = mlx::core;
+
+// y[..., n] = x[..., K] @ W[K, n]. x: float32, any leading dims, any strides. panels: uint8
+// [NB, K / group, 64 / bits + group, 2 bits] (runner.native.to_qpanels: one block per panel and
+// group, its header rows the scales and biases, then one row of 16 values per input) with
+// 16 (NB - 1) < n <= 16 NB. exact: the float32 product of the dequantized weight (bit for
+// bit); otherwise activations quantized to int8 per row (qkernels.h). threads: panels split
+// over this many threads.
+mx::array qpanel_matmul(
+    const mx::array& x,
+    const mx::array& panels,
+    int n,
+    bool exact,
+    int threads = 1,
+    mx::StreamOrDevice s = {});
+
+class QPanelMatmul : public InferencePrimitive {
+ public:
+  QPanelMatmul(mx::Stream stream, int n, bool exact, int threads)
+      : InferencePrimitive(stream), n_(n), exact_(exact), threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "QPanelMatmul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int n_;
+  bool exact_;
+  int threads_;
+};
+
+// The fast product's integer path compiled in: "avx512-vnni", "avx512bw" or "portable".
+const char* qpanel_isa();
+
+} // namespace mtp_native
