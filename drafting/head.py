@@ -87,6 +87,7 @@ class MTPHead(nn.Module):
         self.norm = nn.RMSNorm(d, eps=eps)
         self._embed = embed
         self._output_weight = output_weight
+        self._linear = linear
         self.set_draft_vocab(config.draft_vocab)
 
     def set_draft_vocab(self, ids: list[int] | None) -> None:
@@ -94,13 +95,23 @@ class MTPHead(nn.Module):
         self.config.draft_vocab = list(ids) if ids is not None else None
         if ids is None:
             self._vocab_ids = None
-            self._sub_t = None
+            self._draft_out = None
             self._vocab_size = None
             return
         weight = self._output_weight()
         self._vocab_size = int(weight.shape[0])
         self._vocab_ids = mx.array(ids, dtype=mx.int32)
-        self._sub_t = mx.contiguous(weight[self._vocab_ids].T)
+        # A product of the head's own linear type (not a parameter: it is the target's rows),
+        # so device tuning lays it out, and quantizes it, like the head's other products.
+        out = self._linear(weight.shape[1], len(ids), bias=False)
+        out.weight = mx.contiguous(weight[self._vocab_ids])
+        self._draft_out = out
+
+    @property
+    def draft_out_t(self) -> mx.array | None:
+        """The draft vocabulary's ``[D, Vd]`` projection of a head as built (the trainer's;
+        device tuning re-lays it out), or None without a draft vocabulary."""
+        return None if self._draft_out is None else self._draft_out.weight.T
 
     @property
     def draft_vocab_ids(self) -> mx.array | None:
@@ -142,8 +153,8 @@ class MTPHead(nn.Module):
 
     def logits(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array:
         """Logits over the draft vocabulary (``[..., Vd]``) or, without one, ``unembed(y)``."""
-        if self._sub_t is not None:
-            return y @ self._sub_t
+        if self._draft_out is not None:
+            return self._draft_out(y)
         return unembed(y)
 
     def argmax_draft(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array:

@@ -130,3 +130,39 @@ def test_bad_arguments_name_what_is_wrong():
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             native.flash_attention(*args, scale=0.25, causal=True)
+
+
+# --- runner.native.row_attention: a few rows (decode steps, verify rows), each row alone
+
+
+@pytest.mark.skipif(not native.row_attention_available(), reason="no row attention")
+@pytest.mark.parametrize(
+    "shape", [(1, 9, 3, 1, 40, 64), (2, 4, 2, 5, 5, 16), (1, 8, 8, 16, 300, 32)]
+)
+def test_row_attention_matches_a_float64_causal_softmax(shape):
+    batch, heads, groups, rows, keys, dim = shape
+    q, k, v = operands(batch, heads, groups, rows, keys, dim)
+    got = np.asarray(native.row_attention(q, k, v, scale=0.125))
+    want = reference(q, k, v, 0.125, causal=True)
+    assert np.abs(got - want).max() < 1e-5
+
+
+@pytest.mark.skipif(not native.row_attention_available(), reason="no row attention")
+def test_each_row_is_the_one_row_call_over_its_keys():
+    """Row i of an L-row call equals, bit for bit, the one-row call a decode step makes over
+    the keys up to its position: what makes verify rows plain decoding's."""
+    q, k, v = operands(1, 6, 2, 7, 50, 32, seed=3)
+    cache_k = mx.concatenate([k, mx.zeros_like(k)], axis=2)[:, :, :50]  # a buffer's view
+    together = np.asarray(native.row_attention(q, cache_k, v, scale=0.2))
+    for i in range(7):
+        keys = 50 - 7 + i + 1
+        alone = native.row_attention(
+            q[:, :, i : i + 1], cache_k[:, :, :keys], v[:, :, :keys], scale=0.2
+        )
+        assert np.array_equal(np.asarray(alone)[:, :, 0], together[:, :, i]), i
+    # A head dimension that is not unit-stride: q stored [B, H, D, L] and viewed transposed.
+    strided = mx.array(np.ascontiguousarray(np.asarray(q).transpose(0, 1, 3, 2)))
+    strided = strided.transpose(0, 1, 3, 2)
+    assert np.array_equal(
+        np.asarray(native.row_attention(strided, cache_k, v, scale=0.2)), together
+    )

@@ -51,23 +51,30 @@ def _float_product(x: mx.array, w: np.ndarray) -> np.ndarray:
     return _np(native.panel_matmul(x, native.to_panels(mx.array(w.T)), w.shape[0]))
 
 
-def _emulate_fast(x: np.ndarray, affine: Affine, group: int) -> np.ndarray:
-    """qkernels.h's fast product in float64: each row quantized to int8 ``xq`` per block of
-    ``ab = min(group, 32)`` inputs (d = max|x| / 127, float32 ops), exact integer sums, then
-    sum over blocks of isum * float32(s * d) plus, per group, b * sum(d * xq) (the quantized
-    inputs' sum, so that their rounding cancels against the value term's)."""
+def _emulate_fast(x: np.ndarray, affine: Affine, group: int, levels: int = 2) -> np.ndarray:
+    """qkernels.h's fast product in float64: each row quantized per block of ``ab = min(group,
+    32)`` inputs in ``levels`` int8 levels (each d = max|r| / 127 of what the levels before left,
+    float32 ops), exact integer sums, then the sum over blocks and levels of isum * float32(s *
+    d) plus, per group, b * sum(d * xq) (the quantized inputs' sum, so that their rounding
+    cancels against the value term's)."""
     values, scales, biases = affine
     m, k = x.shape
     ab = min(group, 32)
-    xb = x.reshape(m, k // ab, ab)
-    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
-    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    xq = np.clip(np.rint(xb * inv[..., None]), -127, 127).astype(np.int64)
+    r = x.reshape(m, k // ab, ab).astype(np.float32)
     vb = values.reshape(values.shape[0], k // ab, ab).astype(np.int64)
-    isum = np.einsum("mai,nai->mna", xq, vb)
-    sd = (np.repeat(scales, group // ab, axis=1)[None] * d[:, None, :]).astype(np.float32)
-    dq = (d.astype(np.float64) * xq.sum(-1)).reshape(m, k // group, group // ab).sum(-1)
-    return (isum * sd.astype(np.float64)).sum(-1) + dq @ biases.T
+    out = np.zeros((m, values.shape[0]))
+    dq = np.zeros((m, k // group))
+    for _ in range(levels):
+        d = (np.abs(r).max(-1) / np.float32(127)).astype(np.float32)
+        inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+        q = np.clip(np.rint(r * inv[..., None]), -127, 127).astype(np.float32)
+        r = (r - (d[..., None] * q).astype(np.float32)).astype(np.float32)
+        xq = q.astype(np.int64)
+        isum = np.einsum("mai,nai->mna", xq, vb)
+        sd = (np.repeat(scales, group // ab, axis=1)[None] * d[:, None, :]).astype(np.float32)
+        out += (isum * sd.astype(np.float64)).sum(-1)
+        dq += (d.astype(np.float64) * xq.sum(-1)).reshape(m, k // group, group // ab).sum(-1)
+    return out + dq @ biases.T
 
 
 def _scale(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -81,14 +88,17 @@ def _scale(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [16, 32, 64, 128])
 @pytest.mark.parametrize("n", [64, 70, 33])
-def test_dense_and_layout_roundtrip(bits: int, group: int, n: int):
+@pytest.mark.parametrize("half", [False, True])
+def test_dense_and_layout_roundtrip(bits: int, group: int, n: int, half: bool):
+    """Float32 headers for any scales, float16 ones (chosen by default) for float16 values."""
     k = 2 * group
-    affine = _affine(n, k, group, bits)
+    affine = _affine(n, k, group, bits, fp16=half)
     panels = quantized.to_qpanels(*affine, bits)
     nb = -(-n // 16)
     assert panels.dtype == mx.uint8
-    assert panels.shape == (nb, k // group, 64 // bits + group, 2 * bits)
-    assert quantized.layout(panels) == (k, group, bits)
+    head = (32 if half else 64) // bits
+    assert panels.shape == (nb, k // group, head + group, 2 * bits)
+    assert quantized.layout(panels) == (k, group, bits, half)
     assert np.array_equal(_np(quantized.dense(panels, n)), affine_dense(*affine).T)
     padded = _np(quantized.dense(panels, nb * 16))
     assert not padded[:, n:].any(), "padding columns must be zero"
@@ -366,7 +376,7 @@ def test_fuse_quantized_linears(exact: bool, monkeypatch: pytest.MonkeyPatch):
     owner = nn.Module()
     assert fuse_linears(owner, "qkv", parts)
     fused = owner["qkv"]
-    assert fused.shape == (9, 4, 48, 8) and "qkv_bias" not in owner
+    assert fused.shape == (9, *parts[0]._wt.shape[1:]) and "qkv_bias" not in owner
     assert np.array_equal(_np(product(x, fused)), want)
     assert np.array_equal(_np(layers.fused_product(owner, "qkv", x)), want)
     start = 0

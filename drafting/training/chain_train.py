@@ -156,13 +156,13 @@ def chain_loss(head, batch: dict, opts: ChainOptions) -> mx.array:
         if rows.size == 0:
             continue
         out = y.reshape(-1, y.shape[-1])[rows]
-        logq = nn.log_softmax(out @ head._sub_t, axis=-1)
+        logq = nn.log_softmax(out @ head.draft_out_t, axis=-1)
         parts = []
         if opts.loss in ("ce", "mix"):
             labels = batch["labels"][j]
             parts.append(-mx.take_along_axis(logq, labels[:, None], axis=-1).mean())
         if opts.loss in ("kl", "mix"):
-            logp = nn.log_softmax(batch["next"][j] @ head._sub_t, axis=-1)
+            logp = nn.log_softmax(batch["next"][j] @ head.draft_out_t, axis=-1)
             parts.append((mx.exp(logp) * (logp - logq)).sum(axis=-1).mean())
         step_loss = sum(parts) / len(parts)
         if opts.hidden_loss:
@@ -209,7 +209,7 @@ class ChainTrainer:
                 rows = dev["loss_rows"][j]
                 if rows.size == 0:
                     continue
-                pred = mx.argmax(y.reshape(-1, y.shape[-1])[rows] @ self.head._sub_t, axis=-1)
+                pred = mx.argmax(y.reshape(-1, y.shape[-1])[rows] @ self.head.draft_out_t, axis=-1)
                 hits[j] += int((pred == dev["labels"][j]).sum().item())
                 totals[j] += dev["answer_rows"][j]
         return [float(h / max(t, 1)) for h, t in zip(hits, totals, strict=True)]

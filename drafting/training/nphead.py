@@ -89,7 +89,7 @@ class NumpyHead:
         self.rope_dims, self.traditional = rope.dims, rope.traditional
         self.periods, self.pos_scale = rope_periods(rope)
         self.embed = target.embedding_table()
-        self.out_t = np.ascontiguousarray(as_numpy(head._sub_t))
+        self.out_t = np.ascontiguousarray(as_numpy(head.draft_out_t))
         self.params = self._from_head(head, target)
 
     # -- parameters <-> the MLX head -------------------------------------------------------

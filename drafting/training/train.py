@@ -167,7 +167,7 @@ def loss_fn(head, batch: Batch, kind: str) -> mx.array:
     ce = (ce * valid).sum() / mx.maximum(valid.sum(), 1)
     if kind == "ce":
         return ce
-    target = mx.array(batch.next_hiddens).astype(mx.float32) @ head._sub_t
+    target = mx.array(batch.next_hiddens).astype(mx.float32) @ head.draft_out_t
     logp = nn.log_softmax(target, axis=-1)
     kl = (mx.exp(logp) * (logp - logq)).sum(axis=-1).mean()
     return kl if kind == "kl" else 0.5 * (ce + kl)

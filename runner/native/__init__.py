@@ -39,6 +39,10 @@ from runner.native import quantized
 
 PANEL = 16  # columns per panel (kernels.h kPanel)
 SMALL_ROWS = 16  # M <= SMALL_ROWS (decode, verify rows) runs on one thread by default
+# ... except a quantized product over this many weight bytes (a vocabulary projection): its
+# read takes long enough that a second core's share of the memory bandwidth outweighs
+# starting a thread, and the next step's graph is built by then.
+SPLIT_BYTES = 8 << 20
 
 _ext = None
 _reason = "not checked"
@@ -297,5 +301,24 @@ def qpanel_matmul(
     if not qpanels_available() or x.dtype != mx.float32:
         return x @ quantized.dense(panels, n).astype(x.dtype)
     if threads is None:
-        threads = 1 if _rows(x) <= SMALL_ROWS else LARGE_M_THREADS
+        few = _rows(x) <= SMALL_ROWS and panels.nbytes < SPLIT_BYTES
+        threads = 1 if few else LARGE_M_THREADS
     return _ext.qpanel_matmul(x, panels, n, exact, threads)
+
+
+def row_attention_available() -> bool:
+    """Whether the compiled module has the few-row attention."""
+    return _ext is not None and hasattr(_ext, "row_attention")
+
+
+def row_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
+    """softmax(scale q k^T) v for a few float32 query rows ``q`` ``[B, H, L, D]`` over ``k``,
+    ``v`` ``[B, G, T, D]``, row ``i`` over keys ``0 .. T - L + i`` (causal, lower-right), each
+    row computed alone: row ``i`` of an ``L``-row call has the bits of the one-row call over
+    the same keys. Raises RuntimeError without the build (:func:`row_attention_available`)."""
+    if not row_attention_available():
+        raise RuntimeError(
+            "runner.native has no row attention: "
+            + (_reason or "rebuild it with `python -m runner.native.build`")
+        )
+    return _ext.row_attention(q, k, v, scale)

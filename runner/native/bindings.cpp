@@ -11,6 +11,7 @@
 #include "attention.h"
 #include "gathered.h"
 #include "quantized.h"
+#include "rows.h"
 #include "mlx/version.h"
 #include "smallrow.h"
 
@@ -70,6 +71,17 @@ NB_MODULE(_smallrow, m) {
       "y[..., n] = x[..., K] @ W[K, n] with W as quantized panels (uint8 [NB, K / group, "
       "64 / bits + group, 2 bits]); exact: bit-for-bit the float32 product of the dequantized "
       "weight, else int8 activations per row; threads splits the panels.");
+  m.def(
+      "row_attention",
+      &mtp_native::row_attention,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "scale"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "softmax(scale q k^T) v for a few query rows q [B, H, L, D] over k, v [B, G, T, D], row i "
+      "over keys 0 .. T - L + i, each row computed alone (the same bits whatever L).");
   m.def("qpanel_isa", &mtp_native::qpanel_isa, "The quantized fast product's integer path.");
   m.def("attention_isa", &mtp_native::attention_isa, "The attention kernel path compiled in.");
   m.def("isa", &mtp_native::isa, "The kernel path compiled in: avx512, avx2 or portable.");

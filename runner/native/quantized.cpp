@@ -20,19 +20,28 @@ namespace {
   throw std::invalid_argument("[qpanel_matmul] " + what);
 }
 
-// The layout's numbers from the panels' shape [NB, groups, 64 / bits + group, 2 bits].
+bool valid_group(int group) {
+  return group == 16 || (group >= 32 && group % 32 == 0);
+}
+
+// The layout's numbers from the panels' shape [NB, groups, header rows + group, 2 bits], the
+// header rows 64 / bits (float32 scales and biases) or 32 / bits (float16): one of the two
+// leaves a valid group size.
 qpanels::Shape layout(const mx::array& panels, int n) {
   if (panels.dtype() != mx::uint8 || panels.ndim() != 4)
-    fail("panels must be uint8 [NB, K / group, 64 / bits + group, 2 bits] (to_qpanels)");
+    fail("panels must be uint8 [NB, K / group, header rows + group, 2 bits] (to_qpanels)");
   const int bits = panels.shape(3) / 2;
   if (bits != 4 && bits != 8) fail("panels hold 4- or 8-bit values, not " + std::to_string(bits));
-  const int group = panels.shape(2) - 64 / bits;
-  if (group != 16 && (group < 32 || group % 32))
-    fail("group size must be 16 or a multiple of 32, not " + std::to_string(group));
+  const int rows = panels.shape(2);
+  const bool half = !valid_group(rows - 64 / bits);
+  const int group = rows - (half ? 32 : 64) / bits;
+  if (!valid_group(group))
+    fail("group size must be 16 or a multiple of 32 (panel rows " + std::to_string(rows) + ")");
   qpanels::Shape sh;
   sh.K = static_cast<int>(panels.shape(1)) * group;
   sh.group = group;
   sh.bits = bits;
+  sh.half = half;
   sh.NB = panels.shape(0);
   sh.n = n;
   if (n <= 0 || n > sh.NB * qpanels::kPanel || n <= (sh.NB - 1) * qpanels::kPanel) {

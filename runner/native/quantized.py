@@ -2,10 +2,12 @@
 ``qpanel_matmul`` (``qkernels.h``) without a float copy of the weight.
 
 A quantized ``[N, K]`` weight (``runner.quantized``: values, and a float32 scale and bias per
-group of ``group`` inputs) is laid out once, at load, as ``uint8 [NB, K / group, 64 / bits +
-group, 2 bits]``: per panel of 16 output columns and per group, the 16 scales and 16 biases,
-then the values in 32-bit lanes, one lane per column (``qkernels.h`` explains why). The
-shape alone says the width and the group, so a layer keeps one array, as with float panels.
+group of ``group`` inputs) is laid out once, at load, as ``uint8 [NB, K / group, header rows +
+group, 2 bits]``: per panel of 16 output columns and per group, the 16 scales and 16 biases
+(float16 when every one of them is a float16 number, as GGUF's Q4_0, Q4_1 and Q8_0 ones are:
+fewer bytes to read; else float32), then the values in 32-bit lanes, one lane per column
+(``qkernels.h`` explains why). The shape alone says the width, the group and the header's
+type, so a layer keeps one array, as with float panels.
 Widths the kernel does not run (5 and 6 bits) widen to 8 bits: the same values, exactly.
 
 Two products over it: ``exact`` (bit-for-bit the float32 product of the dequantized weight)
@@ -19,7 +21,6 @@ import mlx.core as mx
 import numpy as np
 
 PANEL = 16  # columns per panel (qkernels.h kPanel)
-HEADER = 2 * PANEL * 4  # bytes of scales and biases per block
 BITS = (4, 8)
 
 
@@ -32,10 +33,33 @@ def kernel_bits(bits: int) -> int:
     raise ValueError(f"no quantized panels for {bits}-bit values")
 
 
-def to_qpanels(values: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> mx.array:
+def _valid_group(group: int) -> bool:
+    return group == 16 or (group >= 32 and group % 32 == 0)
+
+
+def halves_exactly(*arrays: np.ndarray) -> bool:
+    """Whether every value of ``arrays`` is a float16 number (a float16 header keeps it)."""
+    for a in arrays:
+        a = np.asarray(a, dtype=np.float32)
+        with np.errstate(over="ignore"):
+            if not np.array_equal(a.astype(np.float16).astype(np.float32), a):
+                return False
+    return True
+
+
+def to_qpanels(
+    values: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    bits: int,
+    *,
+    half: bool | None = None,
+) -> mx.array:
     """The panel layout of an affine ``[N, K]`` weight (``values`` uint8 ``[N, K]``, ``scales``
     and ``biases`` ``[N, K / group]``) at a kernel width of 4 or 8 ``bits``; N is padded with
-    zero columns to whole panels. ``values`` must be below ``2 ** bits``."""
+    zero columns to whole panels. ``values`` must be below ``2 ** bits``. ``half``: float16
+    scales and biases (None: exactly when that keeps every one; True where it would not is a
+    ``ValueError``)."""
     if bits not in BITS:
         raise ValueError(f"quantized panels hold 4- or 8-bit values, not {bits}")
     n, k = values.shape
@@ -45,10 +69,14 @@ def to_qpanels(values: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits:
             f"values {values.shape}, scales {scales.shape} and biases {biases.shape} differ"
         )
     group = k // groups
-    if group != 16 and group % 32:
+    if not _valid_group(group):
         raise ValueError(
             f"quantized panels need groups of 16 inputs or a multiple of 32, not {group}"
         )
+    exact16 = halves_exactly(scales, biases)
+    if half and not exact16:
+        raise ValueError("float16 scales and biases would round some of them")
+    half = exact16 if half is None else half
     nb = -(-n // PANEL)
     pad = nb * PANEL - n
     v = np.asarray(values, dtype=np.uint8)
@@ -75,31 +103,41 @@ def to_qpanels(values: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits:
         ],
         axis=2,
     )
-    head = np.ascontiguousarray(head).view(np.uint8)
+    head = np.ascontiguousarray(head.astype(np.float16 if half else np.float32)).view(np.uint8)
     blocks = np.concatenate([head, body], axis=2)
-    return mx.array(blocks.reshape(nb, groups, 64 // bits + group, 2 * bits))
+    return mx.array(blocks.reshape(nb, groups, header_rows(bits, half) + group, 2 * bits))
 
 
-def layout(panels: mx.array) -> tuple[int, int, int]:
-    """``(K, group, bits)`` of quantized panels, read from their shape."""
-    if panels.ndim != 4 or panels.dtype != mx.uint8:
+def header_rows(bits: int, half: bool) -> int:
+    """Rows (of ``2 bits`` bytes) a block's scales and biases take."""
+    return (32 if half else 64) // bits
+
+
+def layout(panels: mx.array) -> tuple[int, int, int, bool]:
+    """``(K, group, bits, half)`` of quantized panels, read from their shape (``half``:
+    float16 scales and biases; one header size leaves a valid group, the other does not)."""
+    if panels.ndim != 4 or panels.dtype != mx.uint8 or panels.shape[3] not in (8, 16):
         raise ValueError(f"not quantized panels: {panels.dtype} {tuple(panels.shape)}")
     bits = panels.shape[3] // 2
-    group = panels.shape[2] - 64 // bits
-    return panels.shape[1] * group, group, bits
+    half = not _valid_group(panels.shape[2] - header_rows(bits, False))
+    group = panels.shape[2] - header_rows(bits, half)
+    if not _valid_group(group):
+        raise ValueError(f"not quantized panels: {panels.dtype} {tuple(panels.shape)}")
+    return panels.shape[1] * group, group, bits, half
 
 
 def columns(panels: mx.array, ids: mx.array) -> mx.array:
     """Columns ``ids`` of the weight ``[K, N]`` as float32 rows ``[*ids.shape, K]`` (a tied
     embedding's lookups from the output projection's panels), each value ``s * q + b`` as the
     dequantized weight has it. MLX ops: a lookup reads one panel per id."""
-    k, group, bits = layout(panels)
+    k, group, bits, half = layout(panels)
     flat = ids.reshape(-1)
     lane = (flat % PANEL).astype(mx.uint32)
     blocks = panels[flat // PANEL]  # [T, groups, rows, 2 bits]
     t, groups = blocks.shape[0], blocks.shape[1]
-    head_rows = 64 // bits
-    head = blocks[:, :, :head_rows, :].reshape(t, groups, HEADER).view(mx.float32)
+    head_rows = header_rows(bits, half)
+    head = blocks[:, :, :head_rows, :].reshape(t, groups, head_rows * 2 * bits)
+    head = head.view(mx.float16).astype(mx.float32) if half else head.view(mx.float32)
     pick = lane.reshape(t, 1, 1)
     s = mx.take_along_axis(head[:, :, :PANEL], pick, axis=2)  # [T, groups, 1]
     b = mx.take_along_axis(head[:, :, PANEL:], pick, axis=2)

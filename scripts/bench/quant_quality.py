@@ -15,8 +15,9 @@ the whole tokenized prompt, once per path; every position of every prompt is com
 Models: the default model (a Q4_1/Q8_0 GGUF), each ``--model PATH`` (any checkpoint the
 loader keeps quantized), and with ``--hybrid`` the Qwen3.5 hybrid fixture of the tests
 (tests/fixtures/reference/hybrid/qwen3_5_text, random float32 weights) quantized here with
-``mx.quantize`` (4 bits, groups of 64) into an MLX-affine checkpoint in a temporary folder.
-Prints a markdown table, writes JSON under bench-results/. Usage:
+``mx.quantize`` (4 bits, groups of 64) into an MLX-affine checkpoint in a temporary folder;
+its weights are random, so its row checks the recurrent layers' path, not a trained model's
+quality. Prints a markdown table, writes JSON under bench-results/. Usage:
 
     python scripts/bench/quant_quality.py [--hybrid] [--model PATH ...] [--no-default]
 """
@@ -139,9 +140,10 @@ def compare(exact: np.ndarray, fast: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
-def measure(path: str, label: str, max_tokens: int | None) -> dict:
+def measure(path: str, label: str | None, max_tokens: int | None) -> dict:
     """Load ``path`` kept quantized, feed every prompt through both product paths, and
-    return the statistics over all positions (and per prompt)."""
+    return the statistics over all positions (and per prompt); ``label`` None: the model's
+    name."""
     import mlx.core as mx
 
     from runner import device, native
@@ -181,7 +183,7 @@ def measure(path: str, label: str, max_tokens: int | None) -> dict:
     kl = np.concatenate([s["kl"] for s in stats])
     abs_err = np.concatenate([s["abs_err"] for s in stats])
     return {
-        "model": label,
+        "model": label or f"{loaded.name} (default model)",
         "path": path,
         "name": loaded.name,
         "tuning": tuning.describe(),
@@ -249,7 +251,7 @@ def main() -> int:
     sys.path.insert(0, bc.ROOT)
     import runner  # noqa: F401  (the BLAS loads before MLX)
 
-    models = [] if args.no_default else [(bc.default_model_path(), "default model")]
+    models = [] if args.no_default else [(bc.default_model_path(), None)]
     models += [(path, os.path.basename(os.path.normpath(path))) for path in args.model]
     if not models and not args.hybrid:
         parser.error("nothing to measure: drop --no-default or give --model / --hybrid")

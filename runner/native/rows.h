@@ -1,0 +1,39 @@
+// MLX primitive for the attention of a few query rows (decode steps, verify rows): each row
+// attends over the keys up to its own position, one row at a time with the same code
+// whatever the row count, so row i of an L-row call is bit-for-bit the one-row call that
+// decoding that token alone makes. One primitive replaces the five-op composition per row.
+
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/utils.h"
+#include "primitive.h"
+
+namespace mtp_native {
+
+// q: float32 [B, H, L, D]; k, v: float32 [B, G, T, D] (G divides H; head h reads group
+// h / (H / G)), L <= T, any strides with unit stride along D. Row i sits at position
+// T - L + i and sees keys 0 .. T - L + i. Returns float32 [B, H, L, D].
+mx::array row_attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    mx::StreamOrDevice s = {});
+
+class RowAttention : public InferencePrimitive {
+ public:
+  RowAttention(mx::Stream stream, float scale) : InferencePrimitive(stream), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "RowAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+};
+
+} // namespace mtp_native
