@@ -153,7 +153,25 @@ def columns(panels: mx.array, ids: mx.array) -> mx.array:
 
 
 def dense(panels: mx.array, n: int) -> mx.array:
-    """The float32 weight ``[K, n]`` of quantized panels (tests, the dense fallback)."""
-    nb = panels.shape[0]
-    rows = columns(panels, mx.arange(nb * PANEL)[:n])  # [n, K]
-    return rows.T
+    """The float32 weight ``[K, n]`` of quantized panels (a draft vocabulary's rows, training,
+    tests), a few panels at a time so the unpacking's temporaries stay small."""
+    k, group, bits, half = layout(panels)
+    nb, groups = panels.shape[0], panels.shape[1]
+    rows = header_rows(bits, half)
+    per = 32 // bits  # values per lane word
+    shifts = mx.arange(per, dtype=mx.uint32) * bits
+    step = max(1, (1 << 20) // (k * PANEL))  # panels per piece: about a million weights
+    pieces = []
+    for p0 in range(0, nb, step):
+        part = panels[p0 : p0 + step]
+        count = part.shape[0]
+        head = part[:, :, :rows, :].reshape(count, groups, rows * 2 * bits)
+        head = head.view(mx.float16).astype(mx.float32) if half else head.view(mx.float32)
+        s, b = head[:, :, None, :PANEL], head[:, :, None, PANEL:]  # [P, groups, 1, 16]
+        words = part[:, :, rows:, :].reshape(count, groups, -1).view(mx.uint32)
+        words = words.reshape(count, groups, group // per, 1, PANEL)
+        q = ((words >> shifts[:, None]) & ((1 << bits) - 1)).reshape(count, groups, group, PANEL)
+        w = q.astype(mx.float32) * s + b  # [P, groups, group, 16]
+        pieces.append(w.reshape(count, k, PANEL).transpose(1, 0, 2).reshape(k, count * PANEL))
+        mx.eval(pieces[-1])
+    return mx.concatenate(pieces, axis=1)[:, :n]
