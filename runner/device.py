@@ -99,7 +99,7 @@ def tune(
     compile: bool = True,
     fast_kernels: bool | None = None,
     expert_layout: str | None = None,
-    exact_products: bool = False,
+    exact_products: bool | None = None,
     quantize: int | None = None,
     quantize_head: bool = True,
 ) -> Tuning:
@@ -113,15 +113,16 @@ def tune(
     path on the CPU). ``expert_layout`` "hf" keeps a MoE model's routed experts as loaded
     (``scripts/bench/moe.py`` measures the layouts against each other); None: they follow
     ``layout`` (``runner.models.moe.lay_out_experts``). ``exact_products``: quantized panels
-    (the loader's, on the CPU) multiply bit-for-bit as their dequantized weight instead of
-    with int8 activations. ``quantize`` (4 or 8 bits) quantizes the float weights first
-    (affine, groups of 64: quantized panels on the CPU, MLX's quantized layers on a GPU), the
-    head's too unless ``quantize_head`` is False.
+    (the loader's, on the CPU) multiply bit-for-bit as their dequantized weight (True) or with
+    int8 activations (False); None leaves the process's choice as it is. ``quantize`` (4 or 8
+    bits) quantizes the float weights first (affine, groups of 64: quantized panels on the CPU,
+    MLX's quantized layers on a GPU), the head's too unless ``quantize_head`` is False.
     """
     if expert_layout not in (None, "hf"):
         raise ValueError(f"expert_layout must be None or 'hf', not {expert_layout!r}")
     cpu = on_cpu()
-    set_exact_products(exact_products)
+    if exact_products is not None:
+        set_exact_products(exact_products)
     layout = resolve_layout(layout, cpu)
     fast = (not cpu) if fast_kernels is None else fast_kernels
     parts = [model] + ([head] if head is not None else [])

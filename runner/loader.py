@@ -166,8 +166,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a Hugging Face directory or a GGUF file; every failure is a typed ``LoadError``.
 
-    ``keep_quantized`` (None: yes, where the device has a quantized product: MLX's on a GPU,
-    ``runner.native``'s quantized panels on the CPU): run quantized weights as stored; False:
+    ``keep_quantized`` (None: yes, where the device has a fast quantized product: MLX's on a
+    GPU, ``runner.native``'s vector kernels on the CPU): run quantized weights as stored; False:
     dequantize them to ``dtype`` at load. On the CPU a kept weight goes straight into the
     native product's quantized panels (no float copy); other weights stay in the Hugging Face
     layout for ``runner.device.tune`` to lay out.
@@ -176,7 +176,7 @@ def load_model(
     if not os.path.exists(path):
         raise ModelFileMissing("model path does not exist", path=path)
     if keep_quantized is None:
-        keep_quantized = mx.default_device() != mx.cpu or native.qpanels_available()
+        keep_quantized = mx.default_device() != mx.cpu or native.qpanels_fast()
     target_dtype = _parse_dtype(dtype)
     report = progress or (lambda stage, done, total: None)
     read = _read_gguf(path, report) if os.path.isfile(path) else _read_hf(path, report)

@@ -279,6 +279,13 @@ def qpanels_available() -> bool:
     return _ext is not None and hasattr(_ext, "qpanel_matmul")
 
 
+def qpanels_fast() -> bool:
+    """Whether the quantized product runs on vector kernels (AVX-512); the portable build
+    computes the same bits one column at a time, slower than float32 panels, so quantized
+    checkpoints are dequantized by default there."""
+    return qpanels_available() and (qpanel_isa() or "").startswith("avx512")
+
+
 def qpanel_isa() -> str | None:
     """The fast quantized product's integer path (``avx512-vnni``, ``avx512bw`` or
     ``portable``), None without the product."""

@@ -25,7 +25,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 CONFIGS = {
-    "MKL, packed (default)": {"env": {"MTP_RUNNER_BLAS": "mkl"}, "args": ["--layout", "packed"]},
+    # A quantized checkpoint (the embedded model is one) as the runner serves it by default,
+    # then with --exact-products, then dequantized to float32 (--dequantize) in each layout.
+    "quantized panels (default)": {
+        "env": {"MTP_RUNNER_BLAS": "mkl"},
+        "args": ["--layout", "panels", "--keep-quantized"],
+    },
+    "quantized panels, exact products": {
+        "env": {"MTP_RUNNER_BLAS": "mkl"},
+        "args": ["--layout", "panels", "--keep-quantized", "--exact"],
+    },
+    "MKL, packed": {"env": {"MTP_RUNNER_BLAS": "mkl"}, "args": ["--layout", "packed"]},
     "MKL, panels": {"env": {"MTP_RUNNER_BLAS": "mkl"}, "args": ["--layout", "panels"]},
     "MKL, packed, threads left to MKL": {
         "env": {"MTP_RUNNER_BLAS": "mkl", "MKL_NUM_THREADS": str(os.cpu_count() or 1)},
@@ -76,8 +86,12 @@ def worker(args: argparse.Namespace) -> None:
 
     loaded = load_model(args.model, keep_quantized=args.keep_quantized)
     model = loaded.model
-    nbytes = weight_bytes(model)
-    tuning = device.tune(model, layout=args.layout, compile=not args.eager)
+    nbytes = 0 if loaded.quantized else weight_bytes(model)
+    tuning = device.tune(
+        model, layout=args.layout, compile=not args.eager, exact_products=args.exact
+    )
+    if loaded.quantized:  # the bytes a step reads: the quantized weights as held
+        nbytes = device.weight_bytes(model)
     prompt = mx.array([[(i * 7919) % 40000 + 100 for i in range(args.prefill)]], dtype=mx.int32)
 
     warm = model.make_caches()  # first-use costs (allocations, BLAS threads) are not timed
@@ -151,6 +165,7 @@ def main() -> int:
     parser.add_argument("--layout", default="packed", help=argparse.SUPPRESS)
     parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--keep-quantized", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--exact", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model is None:
         from runner.default_model import ensure_default_model
