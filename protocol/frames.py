@@ -111,10 +111,11 @@ class StatusFrame(msgspec.Struct, tag="status", tag_field="type"):
     cache_bytes: int
     memory_bytes: int
     speculation_depth: int
-    weights_bytes: int = 0
     speculation: dict[str, Any] = {}
     # Every running completion, oldest first (``--parallel``); ``active`` is the first.
     active_ids: list[str] = []
+    # The model's and head's weights as held (as in ``ready``), bytes.
+    weights_bytes: int = 0
 
 
 Frame = Union[Progress, Ready, Token, Done, Error, TokensFrame, TextFrame, StatusFrame]  # noqa: UP007

@@ -272,11 +272,13 @@ def private_arrays(module: nn.Module) -> Iterator[tuple[str, mx.array]]:
 
 def set_kernels(module: nn.Module, fast: bool) -> None:
     """Attention and RoPE below ``module`` through ``mx.fast`` (``fast``) or the composed
-    kernels; both compute the same values (tests compare them)."""
+    kernels; both compute the same values (tests compare them). With the composed kernels a
+    few rows attend through ``runner.native``'s row attention where it is built."""
     for _, child in module.named_modules():
         if isinstance(child, Attention):
             child.fast = fast
             child.rope.fast = fast
+            child.rows_native = not fast and native.row_attention_available()
 
 
 def compile_blocks(module: nn.Module) -> int:

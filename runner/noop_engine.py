@@ -32,6 +32,7 @@ class NoopInfo:
     mtp: bool = False
     mtp_detail: str = "no-op model: no draft head"
     blas: str = "none"
+    weights_bytes: int = 0
 
 
 @dataclass

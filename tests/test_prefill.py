@@ -206,10 +206,11 @@ def test_chunked_prefill_equals_one_five_op_forward(small_tiles, tiny_checkpoint
         assert greedy(model, caches, tokens[-1], 6) == want_run
 
 
-def test_default_model_long_prompt_keeps_its_greedy_tokens(default_loaded):
+def test_default_model_long_prompt_keeps_its_greedy_tokens(default_loaded, exact_products):
     """The real sizes (blocks of 128, tiles of 512) on the default model: a 700-token prompt
     after a 150-token cached prefix, prefilled in 512-token chunks, against the five-op
-    composition in one forward."""
+    composition in one forward (the attention kernels compared: exact products, since int8
+    activations would turn their last-bit differences into rounding steps)."""
     model = default_loaded.model
     tokens = prompt(850, seed=4, vocab=default_loaded.vocab_size)
     saved = attention.MIN_ROWS

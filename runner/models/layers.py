@@ -185,6 +185,9 @@ def quantize_in_panels(module: nn.Module, bits: int, group: int = 64) -> int:
         if out % native.PANEL or width % group:
             continue
         packed, scales, biases = mx.quantize(child.weight, group_size=group, bits=bits)
+        # float16 scales and biases (as mlx-lm's half-precision checkpoints hold them): the
+        # panels' headers take half the bytes.
+        scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
         values, scales, biases = MlxAffine(packed, scales, biases, group, bits).unpack()
         panels = to_qpanels(values, scales, biases, bits)
         mx.eval(panels)

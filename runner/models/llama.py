@@ -85,6 +85,10 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
+    # A few rows attend through runner.native's row attention (one op per layer instead of
+    # five per row; inference only, no gradient): set by runner.device.tune on the CPU.
+    rows_native = False
+
     def __init__(self, args: ModelArgs, layer_type: str = "full_attention") -> None:
         super().__init__()
         self.n_heads = args.num_attention_heads
@@ -166,7 +170,7 @@ class Attention(nn.Module):
         causal_rows = (rows == 1 and mask is None) or (
             1 < rows <= ROW_BY_ROW and isinstance(mask, str)
         )
-        if causal_rows and not self.fast and self.softcap is None and ROW_ATTENTION:
+        if causal_rows and not self.fast and self.softcap is None and self.rows_native:
             # One native op per layer, each row alone over its keys (runner.native).
             return native.row_attention(q, k, v, scale=self.scale)
         if 1 < rows <= ROW_BY_ROW and isinstance(mask, str) and not self.fast:
@@ -222,10 +226,8 @@ class Attention(nn.Module):
         return (weights @ v).reshape(batch, heads, length, dim)
 
 
-# Causal feeds of up to this many rows attend row by row (Attention.attend_cached), through
-# runner.native's row attention where it is built (one op per layer instead of five per row).
+# Causal feeds of up to this many rows attend row by row (Attention.attend_cached).
 ROW_BY_ROW = 16
-ROW_ATTENTION = native.row_attention_available()
 
 
 class MLP(nn.Module):

@@ -420,6 +420,7 @@ class SwitchGLU(nn.Module):
                 half = hidden // native.PANEL
                 self.gate_proj._panels = self._gate_up_p[:, :half]
                 self.up_proj._panels = self._gate_up_p[:, half:]
+                self.gate_proj.fused = self.up_proj.fused = True  # views: held once
                 fresh = [self._gate_up_p]
             else:
                 self.gate_proj._panels = native.expert_panels(gate)

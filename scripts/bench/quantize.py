@@ -14,8 +14,11 @@ loaded once (prefix cache and draft head off), warmed up by one short untimed ru
 round so a drift of the machine's speed falls on all alike. A run is a greedy plain decode of
 ``--tokens`` tokens after a 16-token prompt; its speed is the done frame's eval_tokens over
 eval_ns. Tables show medians; the speed ratio is the median of per-round ratios. Memory is
-``engine.info.weights_bytes`` (the weights as held), split into quantized panels and what
-stayed float, and the child's peak resident size (loading reads the float weights first).
+``engine.info.weights_bytes`` beside the weights held counted here with views once (see
+``weight_kinds``), split into quantized panels and what stayed float; a tied float embedding
+is held twice, as the lookup table and the output product's ``[D, V]`` copy, a quantized one
+once, its panels serving both. Cross-checks: MLX's active memory after load, and the child's
+peak resident size (loading reads the float weights first).
 Usage:
 
     python scripts/bench/quantize.py [--rounds 3] [--tokens 64] [--models hybrid,moe]
@@ -43,7 +46,7 @@ SHAPES = {"0.8b": QWEN3_5_VOCAB, "bench": hybrid.SHAPE["vocab_size"]}
 CONFIGS = {"float32": None, "q4": 4, "q8": 8}
 MODELS = ("hybrid", "moe")
 PROMPT = [(i * 7919) % 30000 + 100 for i in range(16)]  # ids every vocabulary here has
-GIB = 1 << 30
+GIB, MIB = 1 << 30, 1 << 20
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -53,27 +56,33 @@ def checkpoint(model: str, shape: str, directory: str | None) -> str:
     # hybrid.py's generator reads its module-level SHAPE when called (config, weights and
     # tokenizer), and remakes a directory whose config.json differs from the one it would write.
     hybrid.SHAPE = {**hybrid.SHAPE, "vocab_size": SHAPES[shape]}
-    default = hybrid.DEFAULT_DIR if shape == "bench" else f"{hybrid.DEFAULT_DIR}-{shape}-vocab"
+    default = hybrid.DEFAULT_DIR if shape == "bench" else f"{hybrid.DEFAULT_DIR}-full-vocab"
     return hybrid.make_checkpoint(os.path.abspath(directory or default))
 
 
 # ----------------------------------------------------------------------------- worker
 def weight_kinds(*modules) -> dict[str, int]:
-    """Bytes of the weights held, by kind: quantized panels (integer arrays) and the float
-    ones by where they sit (routed experts, norms, recurrent layers' conv and gates, other).
-    Arrays are counted once, fused projections' views with their owner (as
-    runner.device.weight_bytes counts)."""
+    """Bytes of the weights held, by kind: quantized panels (integer arrays), and float
+    arrays as routed experts (``switch_mlp``), products (matrices of the other linears and
+    embeddings) or the rest (vectors, norms, convolutions, RoPE tables). Arrays are counted
+    once and views not at all: fused projections' parts (as runner.device.weight_bytes skips
+    them) and the experts' gate and up panels, slices of their owner's ``_gate_up_p``
+    (runner.models.moe), which weight_bytes counts again."""
     import mlx.core as mx
 
     seen: set[int] = set()
     kinds: dict[str, int] = {}
     for module in modules:
-        for name, child in module.named_modules():
+        named = dict(module.named_modules())
+        for name, child in named.items():
+            parent, _, leaf = name.rpartition(".")
+            view = leaf in ("gate_proj", "up_proj") and "_gate_up_p" in named.get(parent, {})
             for key, value in child.items():
-                private = key.startswith("_")
                 if not isinstance(value, mx.array) or id(value) in seen:
                     continue
-                if private and getattr(child, "fused", False):
+                if key.startswith("_") and getattr(child, "fused", False):
+                    continue
+                if key == "_panels" and view:
                     continue
                 seen.add(id(value))
                 path = f"{name}.{key}"
@@ -81,12 +90,10 @@ def weight_kinds(*modules) -> dict[str, int]:
                     kind = "quantized"
                 elif "switch_mlp" in path:
                     kind = "float experts"
-                elif "norm" in path:
-                    kind = "float norms"
-                elif "linear_attn" in path:
-                    kind = "float recurrent"
+                elif value.ndim == 1 or any(w in path for w in ("norm", "conv", "rope")):
+                    kind = "float rest"
                 else:
-                    kind = "float other"
+                    kind = "float products"
                 kinds[kind] = kinds.get(kind, 0) + value.nbytes
     return kinds
 
@@ -94,8 +101,11 @@ def weight_kinds(*modules) -> dict[str, int]:
 def worker(path: str, config: str) -> None:
     """One configuration's Engine: ``{"tokens": n}`` -> a greedy plain decode's speed."""
     sys.path.insert(0, bc.ROOT)
+    import mlx.core as mx
+
     from protocol import frames as pf
     from protocol.requests import Completion, Options
+    from runner import native
     from runner.engine import Engine, EngineOptions
 
     t0 = time.perf_counter()
@@ -121,15 +131,16 @@ def worker(path: str, config: str) -> None:
         return {
             "tps": done.eval_tokens / done.eval_ns * 1e9,
             "eval_tokens": done.eval_tokens,
-            "ids": [t for f in frames if isinstance(f, pf.Token) for t in f.tokens],
             "load": bc.machine_load(),
         }
 
     info = {
         "weights_bytes": engine.info.weights_bytes,
         "kinds": weight_kinds(engine.model),
+        "active_bytes": mx.get_active_memory(),  # MLX's allocator after load: weights and all
         "tuning": engine.info.tuning,
         "blas": engine.info.blas,
+        "qpanel_isa": native.qpanel_isa(),  # the quantized product's integer path
         "load_s": load_s,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }
@@ -171,25 +182,23 @@ def summarise(data: dict, base: str) -> dict:
     out = {}
     for c, rs in runs.items():
         ratios = [a["tps"] / b["tps"] for a, b in zip(rs, runs[base], strict=True)]
-        ids, ref = rs[0]["ids"], runs[base][0]["ids"]
-        same = next((i for i, (a, b) in enumerate(zip(ids, ref, strict=False)) if a != b), None)
         out[c] = {
             "decode_tps": bc.median([r["tps"] for r in rs]),
             "decode_ratio": bc.median(ratios),
             "weights_bytes": info[c]["weights_bytes"],
-            "weights_ratio": info[c]["weights_bytes"] / info[base]["weights_bytes"],
+            "held_bytes": sum(info[c]["kinds"].values()),
+            "held_ratio": sum(info[c]["kinds"].values()) / sum(info[base]["kinds"].values()),
             "kinds": info[c]["kinds"],
+            "active_bytes": info[c]["active_bytes"],
             "load_s": info[c]["load_s"],
             "peak_rss_bytes": info[c]["peak_rss_bytes"],
-            "same_tokens_as_base": len(ids) if same is None else same,
-            "tokens": len(ids),
         }
     return out
 
 
 def float_left(kinds: dict[str, int]) -> str:
-    parts = [f"{k[6:]} {v / GIB:.2f}" for k, v in sorted(kinds.items()) if k.startswith("float")]
-    return ", ".join(p for p in parts if not p.endswith(" 0.00")) or "-"
+    float_kinds = sorted((k, v) for k, v in kinds.items() if k.startswith("float"))
+    return ", ".join(f"{k[6:]} {v / MIB:,.1f}" for k, v in float_kinds) or "-"
 
 
 def report(summaries: dict, args, base: str) -> None:
@@ -198,12 +207,13 @@ def report(summaries: dict, args, base: str) -> None:
         "weights",
         f"decode tok/s (median of {args.rounds})",
         f"x {base}",
-        "weights GiB",
+        "weights_bytes GiB",
+        "held GiB (views once)",
         f"x {base}",
-        "of which float, GiB",
+        "of which float, MiB",
+        "MLX active GiB",
         "load s",
         "peak RSS GiB",
-        f"greedy tokens as {base}",
     ]
     rows = []
     for model, summary in summaries.items():
@@ -215,11 +225,12 @@ def report(summaries: dict, args, base: str) -> None:
                     f"{s['decode_tps']:.2f}",
                     f"{s['decode_ratio']:.2f}",
                     f"{s['weights_bytes'] / GIB:.2f}",
-                    f"{s['weights_ratio']:.2f}",
+                    f"{s['held_bytes'] / GIB:.2f}",
+                    f"{s['held_ratio']:.2f}",
                     float_left(s["kinds"]),
+                    f"{s['active_bytes'] / GIB:.2f}",
                     f"{s['load_s']:.0f}",
                     f"{s['peak_rss_bytes'] / GIB:.2f}",
-                    f"{s['same_tokens_as_base']} of {s['tokens']}",
                 ]
             )
     print()
@@ -260,7 +271,8 @@ def main() -> int:
     first = results[models[0]]["info"][base]
     print(
         f"{len(PROMPT)}-token prompt, {args.tokens} tokens greedy, plain decode; hybrid vocab "
-        f"{SHAPES[args.shape]}; tuning ({base}): {first['tuning']}; BLAS {first['blas']}"
+        f"{SHAPES[args.shape]}; tuning ({base}): {first['tuning']}; BLAS {first['blas']}; "
+        f"quantized product {first['qpanel_isa']}"
     )
     path = bc.write_json(
         args.out,
