@@ -32,9 +32,8 @@ from runner import gguf, native
 from runner.chat_template import ChatTemplate, from_directory
 from runner.models import build_model
 from runner.models import config as config_reader
-from runner.models.layers import Linear, PanelEmbedding
+from runner.models.layers import hold_quantized, takes_panels
 from runner.models.llama import Model
-from runner.native.quantized import kernel_bits, to_qpanels
 from runner.quantized import MlxAffine, QuantizedTensor, affine_dense
 from runner.tokenizer import Tokenizer
 
@@ -296,22 +295,9 @@ def keep_in_panels(
     for name in [k for k, v in weights.items() if not isinstance(v, mx.array)]:
         tensor: QuantizedTensor = weights[name]
         base = name.rpartition(".")[0]
-        module = modules.get(base)
-        n, _ = tensor.shape
-        runs = n % native.PANEL == 0 and (tensor.group == 16 or tensor.group % 32 == 0)
-        if not runs or not isinstance(module, Linear | nn.Embedding):
-            continue
-        values, scales, biases = tensor.unpack()
-        panels = to_qpanels(values, scales, biases, kernel_bits(tensor.bits))
-        mx.eval(panels)
-        del weights[name], values, scales, biases
-        if isinstance(module, Linear):
-            module._wt = panels
-            del module["weight"]
-        else:
-            parent, _, key = base.rpartition(".")
-            setattr(modules[parent], key, PanelEmbedding(panels, n))
-        kept = True
+        if base in modules and takes_panels(modules[base], tensor.shape[0], tensor.group):
+            hold_quantized(model, base, weights.pop(name))
+            kept = True
     return kept
 
 

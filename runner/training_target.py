@@ -26,7 +26,7 @@ from runner import blas, device
 from runner.heads import load_draft_head
 from runner.loader import load_model
 from runner.models import moe
-from runner.models.layers import PanelEmbedding, dense_weight
+from runner.models.layers import dense_weight
 from runner.models.llama import MLP, DecoderLayer
 
 
@@ -119,18 +119,7 @@ class RunnerTarget:
         return pack_layer(layer)
 
     def embedding_table(self) -> np.ndarray:
-        return as_numpy(self.model.output_weight() if self._tied() else self._embed_weight())
-
-    def _tied(self) -> bool:
-        return bool(self.model.args.tie_word_embeddings)
-
-    def _embed_weight(self) -> mx.array:
-        e = self.model.model.embed_tokens
-        if isinstance(e, nn.QuantizedEmbedding):
-            return mx.dequantize(e.weight, e.scales, e.get("biases"), e.group_size, e.bits)
-        if isinstance(e, PanelEmbedding):
-            return e.dense()
-        return e.weight
+        return as_numpy(dense_weight(self.model.model.embed_tokens))
 
     def last_layer_input_rms(self, tokens: list[int]) -> float:
         x = self.model.embed(mx.array([tokens]))

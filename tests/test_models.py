@@ -440,3 +440,24 @@ def test_panel_layout_computes_what_the_packed_one_does(checkpoint_factory, mode
         want, _ = packed.forward(ids, packed_caches)
         got, _ = panels.forward(ids, panel_caches)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-4, rtol=1e-4)
+
+
+def test_quantize_at_load_keeps_every_product_in_quantized_panels(checkpoint_factory):
+    """``--quantize q8``: every projection and the tied embedding in 8-bit panels (float16
+    scales), a fraction of the float weights' memory, logits close to the float model's."""
+    from runner.models.layers import Linear, PanelEmbedding
+
+    path = checkpoint_factory("llama")
+    tokens = mx.array([TOKENS[:8]])
+    ref = load_model(path).model
+    device.tune(ref)
+    want = np.array(ref.forward(tokens, ref.make_caches())[0])
+    model = load_model(path).model
+    device.tune(model, quantize=8)
+    linears = [m for _, m in model.named_modules() if isinstance(m, Linear)]
+    assert linears and all("weight" not in m and m._wt.dtype == mx.uint8 for m in linears)
+    assert isinstance(model.model.embed_tokens, PanelEmbedding)
+    assert device.weight_bytes(model) < device.weight_bytes(ref) / 3
+    got = np.array(model.forward(tokens, model.make_caches())[0])
+    assert np.sqrt(((got - want) ** 2).mean() / (want**2).mean()) < 0.03
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.75

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runner import native
+from runner.quantized import QuantizedTensor
 
 # Feeds of 2-16 rows (a speculative verify) use the [out, in] copy when one exists: some BLAS
 # libraries pack the transposed operand on every multi-row call (blas.row_layout_pays).
@@ -152,11 +153,14 @@ def fused_product(owner: nn.Module, key: str, x: mx.array) -> mx.array:
 
 
 def dense_weight(layer: nn.Module) -> mx.array:
-    """The ``[out, in]`` weight of a (possibly packed or quantized) linear layer."""
-    if isinstance(layer, nn.QuantizedLinear):
+    """The ``[out, in]`` weight of a (possibly packed or quantized) linear layer, or the
+    ``[V, D]`` table of an embedding (float, MLX-quantized or in quantized panels)."""
+    if isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding):
         return mx.dequantize(
             layer.weight, layer.scales, layer.get("biases"), layer.group_size, layer.bits
         )
+    if isinstance(layer, PanelEmbedding):
+        return layer.dense()
     wt = layer.get("_wt")
     if wt is None:
         return layer.weight
@@ -167,36 +171,51 @@ def dense_weight(layer: nn.Module) -> mx.array:
     return wt.T
 
 
+def takes_panels(module: nn.Module, outputs: int, group: int) -> bool:
+    """Whether quantized panels can hold ``module``'s weight: a ``Linear`` or an embedding,
+    its outputs a whole number of panels, groups of 16 or a multiple of 32 inputs."""
+    fits = outputs % native.PANEL == 0 and (group == 16 or group % 32 == 0)
+    return fits and (isinstance(module, Linear) or type(module) is nn.Embedding)
+
+
+def hold_quantized(root: nn.Module, name: str, tensor: QuantizedTensor) -> None:
+    """Make ``tensor`` the weight of ``root``'s module ``name`` (see :func:`takes_panels`) in
+    quantized panels: a ``Linear``'s ``_wt``; an embedding becomes a :class:`PanelEmbedding`
+    in its parent. Only the one tensor's unpacked copy lives meanwhile."""
+    from runner.native.quantized import kernel_bits, to_qpanels
+
+    values, scales, biases = tensor.unpack()
+    panels = to_qpanels(values, scales, biases, kernel_bits(tensor.bits))
+    mx.eval(panels)
+    del values, scales, biases
+    modules = dict(root.named_modules())
+    module = modules[name]
+    if isinstance(module, Linear):
+        module._wt = panels
+        del module["weight"]
+    else:
+        parent, _, key = name.rpartition(".")
+        setattr(modules[parent] if parent else root, key, PanelEmbedding(panels, tensor.shape[0]))
+
+
 def quantize_in_panels(module: nn.Module, bits: int, group: int = 64) -> int:
     """Quantize every float ``Linear`` and ``nn.Embedding`` below ``module`` into quantized
     panels (MLX's affine quantization, ``bits`` 4 or 8, ``group`` inputs per scale: mlx-lm's
     recipe), in place, one weight at a time; returns how many. Layers whose shape the panels
     do not take (outputs not whole panels, inputs not whole groups) stay float."""
-    from runner.native.quantized import to_qpanels
     from runner.quantized import MlxAffine
 
     count = 0
-    modules = dict(module.named_modules())
-    for name, child in list(modules.items()):
-        embedding = type(child) is nn.Embedding
-        if not (embedding or (isinstance(child, Linear) and "weight" in child)):
+    for name, child in list(module.named_modules()):
+        if "weight" not in child or not takes_panels(child, child.weight.shape[0], group):
             continue
-        out, width = child.weight.shape
-        if out % native.PANEL or width % group:
+        if child.weight.shape[1] % group:
             continue
         packed, scales, biases = mx.quantize(child.weight, group_size=group, bits=bits)
         # float16 scales and biases (as mlx-lm's half-precision checkpoints hold them): the
         # panels' headers take half the bytes.
         scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
-        values, scales, biases = MlxAffine(packed, scales, biases, group, bits).unpack()
-        panels = to_qpanels(values, scales, biases, bits)
-        mx.eval(panels)
-        if embedding:
-            parent, _, key = name.rpartition(".")
-            setattr(modules[parent] if parent else module, key, PanelEmbedding(panels, out))
-        else:
-            child._wt = panels
-            del child["weight"]
+        hold_quantized(module, name, MlxAffine(packed, scales, biases, group, bits))
         count += 1
     return count
 

@@ -20,7 +20,6 @@ from runner.models.attention import serves as serves_blocked
 from runner.models.config import read_llama_family, text_config
 from runner.models.layers import (
     Linear,
-    PanelEmbedding,
     dense_weight,
     fuse_linears,
     fused_product,
@@ -603,16 +602,8 @@ class Model(nn.Module):
 
     def output_weight(self) -> mx.array:
         """The dense ``[V, D]`` output projection (tied embedding or ``lm_head``)."""
-        if self.args.tie_word_embeddings:
-            embed = self.model.embed_tokens
-            if isinstance(embed, nn.QuantizedEmbedding):
-                return mx.dequantize(
-                    embed.weight, embed.scales, embed.get("biases"), embed.group_size, embed.bits
-                )
-            if isinstance(embed, PanelEmbedding):
-                return embed.dense()
-            return embed.weight
-        return dense_weight(self.lm_head)
+        tied = self.args.tie_word_embeddings
+        return dense_weight(self.model.embed_tokens if tied else self.lm_head)
 
     def forward(
         self, tokens: mx.array, caches: list[KVCache], mask: Mask = None

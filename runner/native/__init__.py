@@ -299,12 +299,9 @@ def qpanel_matmul(
     (:func:`runner.native.quantized.to_qpanels`). ``exact``: bit-for-bit the float32 panel
     product of the dequantized weight; otherwise each row of ``x`` quantized to int8 per
     block of 32 inputs (``qkernels.h``). Either way row ``i``'s result does not depend on the
-    other rows. ``threads`` defaults as for :func:`panel_matmul`. Without the compiled
-    product: the dequantized weight through MLX (the exact values, slowly)."""
-    if x.ndim < 1 or panels.ndim != 4 or x.shape[-1] != quantized.layout(panels)[0]:
-        raise ValueError(
-            f"qpanel_matmul: x {tuple(x.shape)} does not match panels {tuple(panels.shape)}"
-        )
+    other rows. ``threads`` defaults as for :func:`panel_matmul`. Shapes that do not match are
+    a ``ValueError`` (the primitive checks them). Without the compiled product: the dequantized
+    weight through MLX (the exact values, slowly)."""
     if not qpanels_available() or x.dtype != mx.float32:
         return x @ quantized.dense(panels, n).astype(x.dtype)
     if threads is None:

@@ -29,23 +29,6 @@ std::string dims(const mx::array& a) {
   return out.str();
 }
 
-// A [B, X, N, D] operand as a pointer and the strides of its first three dims, densified into
-// `buf` when its rows are not contiguous.
-struct View {
-  const float* data;
-  int64_t s0, s1, s2;
-};
-
-View view(const float* ptr, const mx::Shape& shape, const mx::Strides& st, std::vector<float>& buf) {
-  if (shape[3] <= 1 || st[3] == 1) return {ptr, st[0], st[1], st[2]};
-  int64_t count = 1;
-  for (auto d : shape) count *= d;
-  buf.resize(count);
-  densify(ptr, shape, st, buf.data());
-  const int64_t D = shape[3];
-  return {buf.data(), shape[1] * shape[2] * D, shape[2] * D, D};
-}
-
 } // namespace
 
 const char* attention_isa() {
@@ -108,9 +91,9 @@ void FlashAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
     const int G = k_shape[1], T = k_shape[2];
     if (int64_t(B) * H * L * D == 0) return;
     std::vector<float> qb, kb, vb;
-    const View qv = view(q_ptr, q_shape, q_strides, qb);
-    const View kv = view(k_ptr, k_shape, k_strides, kb);
-    const View vv = view(v_ptr, k_shape, v_strides, vb);
+    const Rows4 qv = rows4(q_ptr, q_shape, q_strides, qb);
+    const Rows4 kv = rows4(k_ptr, k_shape, k_strides, kb);
+    const Rows4 vv = rows4(v_ptr, k_shape, v_strides, vb);
     const flash::Problem p{
         qv.data, qv.s0, qv.s1, qv.s2, kv.data, kv.s0, kv.s1, kv.s2, vv.data, vv.s0, vv.s1,
         vv.s2, y, B, H, G, L, T, D, scale, causal};

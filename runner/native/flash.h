@@ -70,6 +70,19 @@ constexpr float kP[7] = {
     1.339887440266574e-3f,
     1.535336188319500e-4f};
 
+// 2**d for one d <= 0 (0 from -126.5 down, and for -inf and NaN): the portable blocks' and the
+// row kernel's (rows.cpp) exponential.
+inline float exp2_nonpositive(float d) {
+  if (!(d > -126.5f)) return 0.0f;
+  const float r = std::nearbyint(d), f = d - r;
+  float p = kP[6];
+  for (int c = 5; c >= 0; --c) p = p * f + kP[c];
+  const int32_t bits = (static_cast<int32_t>(r) + 127) << 23; // 2**r, r in [-126, 0]
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 #ifdef FLASH_AVX2
 using V8 = __m256;
 
@@ -196,14 +209,6 @@ inline const char* isa() {
 }
 
 #else // portable: the same arithmetic in plain loops
-
-inline float exp2_nonpositive(float d) {
-  if (!(d > -127.0f)) return 0.0f;
-  const float r = std::nearbyint(d), f = d - r;
-  float p = kP[6];
-  for (int c = 5; c >= 0; --c) p = p * f + kP[c];
-  return std::ldexp(p, static_cast<int>(r));
-}
 
 inline void scores(const float* k, int64_t k_t, int w, const float* qt, float* st, int D) {
   for (int j = 0; j < w; ++j) {

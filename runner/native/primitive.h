@@ -73,6 +73,27 @@ inline void densify(
   }
 }
 
+// A [B, X, N, D] float32 operand as a pointer and the strides of its first three dims (rows of
+// D contiguous), densified into `buf` when its rows are not contiguous.
+struct Rows4 {
+  const float* data;
+  int64_t s0, s1, s2;
+};
+
+inline Rows4 rows4(
+    const float* ptr,
+    const mx::Shape& shape,
+    const mx::Strides& st,
+    std::vector<float>& buf) {
+  if (shape[3] <= 1 || st[3] == 1) return {ptr, st[0], st[1], st[2]};
+  int64_t count = 1;
+  for (auto d : shape) count *= d;
+  buf.resize(count);
+  densify(ptr, shape, st, buf.data());
+  const int64_t D = shape[3];
+  return {buf.data(), shape[1] * shape[2] * D, shape[2] * D, D};
+}
+
 // Runs part(0) .. part(parts - 1), part 0 on the calling thread and the others on threads of
 // their own; a part no thread could be started for runs on the calling thread.
 template <typename F>

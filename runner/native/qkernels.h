@@ -531,7 +531,8 @@ inline FastFn fast_fn(const Shape& sh, int m, bool grouped) {
                  : fast_fn_h<false>(sh.bits, sh.group, m, grouped);
 }
 
-constexpr int kFastMaxBlock = 8;
+// Row blocks as kernels.h splits rows (smallrow::block_size); fast_fn serves up to 8 rows.
+static_assert(smallrow::kMaxBlock <= 8, "row blocks of at most 8 rows");
 
 #endif // QPANELS_AVX512
 
@@ -546,21 +547,17 @@ inline void matmul_fast(
     int64_t p0,
     int64_t p1) {
 #if defined(QPANELS_AVX512)
-  // Rows in blocks of up to 8 (evenly: 9 rows run as 5 + 4). The fewest rows read G panels
-  // at once, spaced a G-th of the range apart (G long sequential streams, which the memory
-  // serves faster than G adjacent panels); every row block uses the panels while in L1.
+  // Rows in blocks as the float kernel splits them (evenly: 9 rows run as 5 + 4). The fewest
+  // rows read G panels at once, spaced a G-th of the range apart (G long sequential streams,
+  // which the memory serves faster than G adjacent panels); every row block uses the panels
+  // while in L1.
   int group = 1;
-  for (int64_t r = 0; r < M;) {
-    const int64_t left = M - r, blocks = (left + kFastMaxBlock - 1) / kFastMaxBlock;
-    const int mb = static_cast<int>((left + blocks - 1) / blocks);
-    group = std::max(group, fast_group(mb));
-    r += mb;
-  }
+  for (int64_t r = 0; r < M; r += smallrow::block_size(M, r))
+    group = std::max(group, fast_group(smallrow::block_size(M, r)));
   const int64_t span = (p1 - p0) / group; // panels per stream
   auto run = [&](int64_t p, int g, int64_t gap) {
     for (int64_t r = 0; r < M;) {
-      const int64_t left = M - r, blocks = (left + kFastMaxBlock - 1) / kFastMaxBlock;
-      const int mb = static_cast<int>((left + blocks - 1) / blocks);
+      const int mb = smallrow::block_size(M, r);
       const int gb = g > 1 ? fast_group(mb) : 1; // divides g (powers of two)
       const FastFn fn = fast_fn(sh, mb, gb > 1);
       const int64_t step = gap * (g / gb); // panels between a sub-group's panels

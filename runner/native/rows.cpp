@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "flash.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -21,39 +22,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& what) {
   throw std::invalid_argument("[row_attention] " + what);
-}
-
-// e^x for x <= 0 (scores minus their maximum): 2^(x log2 e) split into an integer power
-// (built in the exponent bits) and a degree-6 polynomial of the fraction; relative error
-// about 2e-7, the same bits on every build.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x * 1.44269504f, -126.0f);
-  const float fl = std::floor(t);
-  const float f = t - fl;
-  float p = 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fl) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-struct Operand {
-  const float* data;
-  int64_t s0, s1, s2; // strides of the first three dims (the last is 1)
-};
-
-// A [B, X, N, D] array as a pointer and strides, densified into `buf` when D is not unit-stride.
-Operand operand(const float* ptr, const mx::Shape& shape, const mx::Strides& st, std::vector<float>& buf) {
-  if (shape[3] <= 1 || st[3] == 1) return {ptr, st[0], st[1], st[2]};
-  buf.resize(static_cast<size_t>(shape[0]) * shape[1] * shape[2] * shape[3]);
-  densify(ptr, shape, st, buf.data());
-  return {buf.data(), int64_t{shape[1]} * shape[2] * shape[3], int64_t{shape[2]} * shape[3], shape[3]};
 }
 
 // One query row against keys [0, n) of one group: out[D] = softmax(scale q k^T) v.
@@ -73,13 +41,13 @@ void attend_row(
     const float* kj = k + j * ks;
     float s = 0.0f;
     for (int d = 0; d < D; ++d) s += q[d] * kj[d];
-    s *= scale;
+    s *= scale; // log2 units: e**x is 2**(x log2 e)
     scores[j] = s;
     best = std::max(best, s);
   }
   float total = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
-    scores[j] = exp_nonpositive(scores[j] - best);
+    scores[j] = flash::exp2_nonpositive(scores[j] - best);
     total += scores[j];
   }
   for (int d = 0; d < D; ++d) out[d] = 0.0f;
@@ -129,10 +97,11 @@ void RowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
                     vp = v.data<float>(), vst = v.strides(), y = out.data<float>(), B, H, L, D, G,
                     T, scale = scale_]() {
     std::vector<float> qbuf, kbuf, vbuf;
-    const Operand qo = operand(qp, qsh, qst, qbuf);
-    const Operand ko = operand(kp, ksh, kst, kbuf);
-    const Operand vo = operand(vp, ksh, vst, vbuf);
+    const Rows4 qo = rows4(qp, qsh, qst, qbuf);
+    const Rows4 ko = rows4(kp, ksh, kst, kbuf);
+    const Rows4 vo = rows4(vp, ksh, vst, vbuf);
     std::vector<float> scores(static_cast<size_t>(T));
+    const float log2_scale = scale * 1.4426950408889634f; // scores in log2 units
     const int per_group = H / G;
     for (int b = 0; b < B; ++b)
       for (int h = 0; h < H; ++h) {
@@ -142,7 +111,7 @@ void RowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
         for (int i = 0; i < L; ++i) {
           const float* qi = qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2;
           float* yi = y + ((static_cast<int64_t>(b) * H + h) * L + i) * D;
-          attend_row(qi, kb, ko.s2, vb, vo.s2, T - L + i + 1, D, scale, scores.data(), yi);
+          attend_row(qi, kb, ko.s2, vb, vo.s2, T - L + i + 1, D, log2_scale, scores.data(), yi);
         }
       }
   });
