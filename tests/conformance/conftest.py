@@ -31,8 +31,9 @@ def conformance_model(request) -> str | None:
         if not os.path.exists(MODEL):
             pytest.fail(f"MTP_RUNNER_CONFORMANCE_MODEL={MODEL}: no such checkpoint")
         return os.path.abspath(MODEL)
-    # Longer context than the default tiny model so a greedy completion can run for seconds.
-    return request.getfixturevalue("checkpoint_factory")("llama", max_position_embeddings=4096)
+    # Longer context than the default tiny model so a greedy completion runs for seconds (it
+    # decodes hundreds of tokens a second: a long completion must outlast a test's setup).
+    return request.getfixturevalue("checkpoint_factory")("llama", max_position_embeddings=16384)
 
 
 @pytest.fixture(scope="session")
