@@ -137,7 +137,15 @@ def test_bad_arguments_name_what_is_wrong():
 
 @pytest.mark.skipif(not native.row_attention_available(), reason="no row attention")
 @pytest.mark.parametrize(
-    "shape", [(1, 9, 3, 1, 40, 64), (2, 4, 2, 5, 5, 16), (1, 8, 8, 16, 300, 32)]
+    "shape",
+    [
+        (1, 9, 3, 1, 40, 64),
+        (2, 4, 2, 5, 5, 16),
+        (1, 8, 8, 16, 300, 32),
+        (1, 4, 2, 3, 37, 128),  # a last block of 5 keys
+        (1, 2, 1, 2, 21, 80),
+        (1, 2, 1, 3, 19, 24),  # not a multiple of 16: the scalar loops
+    ],
 )
 def test_row_attention_matches_a_float64_causal_softmax(shape):
     batch, heads, groups, rows, keys, dim = shape
@@ -148,10 +156,11 @@ def test_row_attention_matches_a_float64_causal_softmax(shape):
 
 
 @pytest.mark.skipif(not native.row_attention_available(), reason="no row attention")
-def test_each_row_is_the_one_row_call_over_its_keys():
+@pytest.mark.parametrize("dim", [32, 24])
+def test_each_row_is_the_one_row_call_over_its_keys(dim):
     """Row i of an L-row call equals, bit for bit, the one-row call a decode step makes over
     the keys up to its position: what makes verify rows plain decoding's."""
-    q, k, v = operands(1, 6, 2, 7, 50, 32, seed=3)
+    q, k, v = operands(1, 6, 2, 7, 50, dim, seed=3)
     cache_k = mx.concatenate([k, mx.zeros_like(k)], axis=2)[:, :, :50]  # a buffer's view
     together = np.asarray(native.row_attention(q, cache_k, v, scale=0.2))
     for i in range(7):
