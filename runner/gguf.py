@@ -4,7 +4,9 @@
 ``mx.array``, quantized ones (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q4_K/Q5_K/Q6_K) as lazy
 ``runner.quantized.QuantizedTensor`` objects, exact. llama.cpp's converter permutes the rows
 of llama Q/K projections for interleaved RoPE; we undo that so every model in memory has the
-Hugging Face layout (rotate-half RoPE), whatever file it came from.
+Hugging Face layout (rotate-half RoPE), whatever file it came from. The Gemma 2 / Gemma 3,
+Phi-3 and Qwen3-MoE families are mapped by ``runner.gguf_families``; SentencePiece BPE
+vocabularies (``llama`` tokenizer model) are built by ``runner.gguf_tokenizer``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import mlx.core as mx
 import numpy as np
 
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture, UnsupportedTokenizer
-from runner import chat_template
+from runner import chat_template, gguf_families
 from runner.chat_template import ChatTemplate
-from runner.gguf_tensors import GGUFQuantized, read_gguf_file
+from runner.gguf_tensors import FORMATS, GGUFQuantized, _reader, _tensor
+from runner.gguf_tokenizer import spm_hf_tokenizer
 from runner.models.config import refuse
 from runner.tokenizer import Tokenizer
 
@@ -26,7 +29,11 @@ from runner.tokenizer import Tokenizer
 GROUP_SIZE = 32
 Tensor = mx.array | GGUFQuantized
 Progress = Callable[[str, int, int], None]
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+LLAMA_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = LLAMA_ARCHS + gguf_families.ARCHS
+# Control tokens llama.cpp also ends generation on, by their text (its end-of-generation
+# list): a chat model's end of turn is often not the file's eos_token_id.
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -73,9 +80,32 @@ def _scalar(v):
     return v
 
 
-def read_gguf(path: str) -> tuple[dict[str, Tensor], dict]:
-    """``(tensors, metadata)`` of a GGUF file (see ``runner.gguf_tensors.read_gguf_file``)."""
-    return read_gguf_file(path)
+def read_gguf(path: str) -> tuple[dict[str, Tensor | list[GGUFQuantized]], dict]:
+    """``(tensors, metadata)`` of a GGUF file, as ``runner.gguf_tensors.read_gguf_file`` reads
+    them, except stacked quantized experts (``*_exps``, ``[E, out, in]``): a list of E lazy
+    ``GGUFQuantized`` matrices, views of the one block array (an expert's rows are whole
+    blocks), which ``runner.gguf_families`` dequantizes."""
+    try:
+        reader = _reader(path)
+        if reader.byte_order != "I":
+            raise ValueError("byte order opposite to this machine's")
+        metadata = {
+            name: field.contents()
+            for name, field in reader.fields.items()
+            if not name.startswith("GGUF.")
+        }
+    except Exception as exc:  # the reader's own checks raise anything from ValueError up
+        raise CorruptModelFile(f"cannot read GGUF ({exc})", path=path) from None
+    tensors: dict = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind in FORMATS and len(t.shape) == 3 and t.name.endswith("_exps.weight"):
+            experts, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+            blocks = t.data.reshape(experts, rows, -1)
+            tensors[t.name] = [GGUFQuantized(kind, (rows, cols), blocks[e]) for e in range(experts)]
+        else:
+            tensors[t.name] = _tensor(t, path)
+    return tensors, metadata
 
 
 def gguf_config(meta: dict, path: str) -> dict:
@@ -91,14 +121,18 @@ def gguf_config(meta: dict, path: str) -> dict:
         v = meta.get(f"{arch}.{key}", default)
         return _scalar(v)
 
+    if arch in gguf_families.ARCHS:
+        gguf_families.refuse_unknown_keys(arch, meta, path)
     try:
         heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
+        # A MoE file may leave out the dense width; its experts' width stands in.
+        width = get("feed_forward_length", get("expert_feed_forward_length"))
         config = {
             "model_type": arch,
             "hidden_size": hidden,
             "num_hidden_layers": int(get("block_count")),
-            "intermediate_size": int(get("feed_forward_length")),
+            "intermediate_size": int(width),
             "num_attention_heads": heads,
             "num_key_value_heads": int(get("attention.head_count_kv", heads)),
             "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -110,9 +144,21 @@ def gguf_config(meta: dict, path: str) -> dict:
     key_len = get("attention.key_length")
     if key_len is not None:
         config["head_dim"] = int(key_len)
-    head_dim = config.get("head_dim") or hidden // heads
-    # Keys that change the math and that this mapping does not carry over are refused by name
-    # (the rule of runner.models.config, which reads the config this function returns).
+    if arch in gguf_families.ARCHS:
+        gguf_families.family_config(arch, config, get, path)
+    else:
+        _llama_config(arch, config, get, path)
+    vocab = get("vocab_size")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    config["vocab_size"] = int(vocab) if vocab is not None else len(tokens or [])
+    return config
+
+
+def _llama_config(arch: str, config: dict, get: Callable, path: str) -> None:
+    """The llama / qwen2 / qwen3 keys beyond the common ones; the ones that change the math and
+    that this mapping does not carry over are refused by name (the rule of
+    runner.models.config, which reads the config returned)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     rotated = get("rope.dimension_count")
     if rotated is not None and int(rotated) != head_dim:
         raise refuse(
@@ -129,10 +175,6 @@ def gguf_config(meta: dict, path: str) -> dict:
         config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise refuse(f"{arch}.rope.scaling.type", scaling, "GGUF RoPE scaling: linear only", path)
-    vocab = get("vocab_size")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    config["vocab_size"] = int(vocab) if vocab is not None else len(tokens or [])
-    return config
 
 
 def _unpermute_rows(w: Tensor, n_heads: int) -> Tensor:
@@ -147,10 +189,23 @@ def _unpermute_rows(w: Tensor, n_heads: int) -> Tensor:
     return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def map_gguf_tensors(weights: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
-    """Rename GGUF tensors to Hugging Face names and undo the llama Q/K permutation."""
+def map_gguf_tensors(
+    weights: dict[str, Tensor], config: dict, arch: str | None = None
+) -> dict[str, Tensor]:
+    """Rename GGUF tensors to Hugging Face names and undo the converter's transforms (the llama
+    Q/K permutation; a family's own, in ``runner.gguf_families``). ``arch``: the file's
+    architecture (default: the config's model type)."""
+    arch = arch or config["model_type"]
+    if arch in gguf_families.ARCHS:
+        return gguf_families.map_family_tensors(arch, weights, config)
     out: dict[str, Tensor] = {}
     for name, w in weights.items():
+        if isinstance(w, list):  # stacked quantized experts (read_gguf): no such blocks here
+            raise UnsupportedArchitecture(
+                f"stacked {w[0].kind} experts: not part of the {arch} architecture",
+                path=None,
+                tensor=name,
+            )
         stem, _, suffix = name.rpartition(".")
         if stem.startswith("blk."):
             _, idx, part = stem.split(".", 2)
@@ -178,17 +233,47 @@ def map_gguf_tensors(weights: dict[str, Tensor], config: dict) -> dict[str, Tens
 
 
 def gguf_tokenizer(meta: dict, path: str) -> Tokenizer:
-    """Build a byte-level BPE ``tokenizers.Tokenizer`` from GGUF metadata (``gpt2`` model)."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
+    """The file's tokenizer: byte-level BPE (``gpt2`` model) or SentencePiece BPE (``llama``
+    model, ``runner.gguf_tokenizer``), with the file's BOS / end-of-generation ids."""
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         raise UnsupportedTokenizer("GGUF carries no tokenizer", path=path)
-    if kind != "gpt2":
+    if kind == "gpt2":
+        hf = _gpt2_tokenizer(meta, path)
+    elif kind == "llama":
+        hf = spm_hf_tokenizer(meta, path)
+    else:
         raise UnsupportedTokenizer(
-            f"unsupported GGUF tokenizer model {kind!r} (only 'gpt2' byte-level BPE)", path=path
+            f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' byte-level BPE, "
+            "'llama' SentencePiece BPE)",
+            path=path,
         )
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token_id(key: str) -> int | None:
+        v = meta.get(key)
+        return None if v is None else int(_scalar(v))
+
+    bos = token_id("tokenizer.ggml.bos_token_id")
+    eos_ids = {token_id(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")}
+    types = _scalar(meta.get("tokenizer.ggml.token_type"))
+    if kind == "llama" and isinstance(types, list):
+        # SentencePiece chat models (Gemma's <end_of_turn>, Phi-3's <|end|>) end turns on a
+        # control token their eos_token_id does not name; llama.cpp finds these by text.
+        eos_ids.add(token_id("tokenizer.ggml.eom_token_id"))
+        eos_ids |= {i for i, t in enumerate(tokens) if t in _EOG_TEXTS and types[i] in (3, 4)}
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    # llama.cpp's default when the key is absent: SentencePiece vocabularies add BOS.
+    add_bos = bool(_scalar(add_bos)) if add_bos is not None else kind == "llama"
+    eos_ids.discard(None)
+    return Tokenizer(hf, bos_id=bos, eos_ids=eos_ids, add_bos=add_bos, vocab_size=len(tokens))
+
+
+def _gpt2_tokenizer(meta: dict, path: str):
+    """A byte-level BPE ``tokenizers.Tokenizer`` from a ``gpt2`` model's tokens and merges."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
     tokens = meta.get("tokenizer.ggml.tokens")
     merges = meta.get("tokenizer.ggml.merges")
     if not tokens or merges is None:
@@ -213,18 +298,7 @@ def gguf_tokenizer(meta: dict, path: str) -> Tokenizer:
         # 3 = control, 4 = user-defined: matched as whole strings before BPE.
         special = [tokens[i] for i, t in enumerate(types) if t in (3, 4)]
         hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
-
-    def token_id(key: str) -> int | None:
-        v = meta.get(key)
-        return None if v is None else int(_scalar(v))
-
-    bos = token_id("tokenizer.ggml.bos_token_id")
-    eos = token_id("tokenizer.ggml.eos_token_id")
-    eot = token_id("tokenizer.ggml.eot_token_id")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token")
-    add_bos = bool(_scalar(add_bos)) if add_bos is not None else False
-    eos_ids = [i for i in (eos, eot) if i is not None]
-    return Tokenizer(hf, bos_id=bos, eos_ids=eos_ids, add_bos=add_bos, vocab_size=len(tokens))
+    return hf
 
 
 def read_checkpoint(
@@ -238,9 +312,9 @@ def read_checkpoint(
     report("read", 1, 1)
     config = gguf_config(meta, path)
     tokenizer = gguf_tokenizer(meta, path)
-    weights = map_gguf_tensors(weights, config)
-    if "lm_head.weight" not in weights:
-        config["tie_word_embeddings"] = True
+    weights = map_gguf_tensors(weights, config, meta.get("general.architecture"))
+    # Explicit both ways: Gemma ties by default, so a stored head must say it is its own.
+    config["tie_word_embeddings"] = "lm_head.weight" not in weights
     name = _scalar(meta.get("general.name")) or os.path.splitext(os.path.basename(path))[0]
     template = chat_template.from_gguf(path, meta, meta.get("tokenizer.ggml.tokens"))
     return config, weights, tokenizer, str(name), template

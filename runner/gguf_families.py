@@ -1,0 +1,285 @@
+"""GGUF files of the Gemma 2, Gemma 3, Phi-3 and Qwen3-MoE families, as the runner's Hugging
+Face config dicts and tensor names (``runner.gguf`` reads the file and the common keys).
+
+Per family, what llama.cpp's converter changed and what is undone here:
+
+- ``gemma2`` / ``gemma3``: every RMSNorm gain is stored as ``w + 1`` (the converter folds
+  Gemma's ``1 + w``); ``runner.models.gemma`` applies ``1 + w`` itself, so 1 is subtracted
+  (float32). The four block norms are ``attn_norm`` (input), ``post_attention_norm``,
+  ``ffn_norm`` (pre-feedforward) and ``post_ffw_norm``. The query scale is not in the file:
+  llama.cpp takes ``hidden / heads`` for the 27B models (46 / 62 blocks) and the head width
+  otherwise, and so do we (``query_pre_attn_scalar``). Gemma 3 slides ``pattern - 1`` of every
+  ``pattern`` layers (default 6) with their own RoPE base (``rope.freq_base_swa``, default
+  10000) only when the file has a window; Gemma 2 alternates, soft-capping attention scores
+  and logits with the file's caps (llama.cpp's defaults, 50 and 30, when absent).
+- ``phi3``: q/k/v stay fused (``attn_qkv`` = ``qkv_proj``) and ``ffn_up`` holds gate then up,
+  ``gate_up_proj``'s order, so nothing moves. LongRoPE's tables are tensors
+  (``rope_factors_short`` / ``rope_factors_long``) and become the config's ``rope_scaling``;
+  ``rope.dimension_count`` below the head width is Phi-4-mini's partial rotary.
+- ``qwen3moe``: experts are stacked ``[E, out, in]`` tensors (``ffn_{gate,up,down}_exps``),
+  handed over as ``switch_mlp`` stacks (float32: the loader has no quantized product for
+  stacked experts on the CPU, and dequantizes them there anyway); the router is
+  ``ffn_gate_inp``. llama.cpp always renormalises the top-k weights of this architecture
+  (``norm_topk_prob``) unless ``expert_weights_norm`` says otherwise.
+
+Every ``{arch}.*`` metadata key of these families is either read (``runner.gguf``'s common
+keys or :data:`_KEYS`) or refused by name: a key we do not know may change the math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from protocol.errors import CorruptModelFile
+from runner.models.config import refuse
+from runner.quantized import affine_dense
+
+ARCHS = ("gemma2", "gemma3", "phi3", "qwen3moe")
+MODEL_TYPES = {"gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3", "qwen3moe": "qwen3_moe"}
+# The common keys runner.gguf.gguf_config reads for every architecture.
+COMMON_KEYS = frozenset(
+    {
+        "context_length",
+        "embedding_length",
+        "block_count",
+        "feed_forward_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "attention.layer_norm_rms_epsilon",
+        "attention.key_length",
+        "attention.value_length",
+        "rope.freq_base",
+        "rope.dimension_count",
+        "vocab_size",
+    }
+)
+_KEYS = {
+    "gemma2": {"attn_logit_softcapping", "final_logit_softcapping", "attention.sliding_window"},
+    "gemma3": {
+        "final_logit_softcapping",
+        "attention.sliding_window",
+        "attention.sliding_window_pattern",
+        "rope.freq_base_swa",
+        "rope.scaling.type",
+        "rope.scaling.factor",
+    },
+    "phi3": {
+        "attention.sliding_window",
+        "rope.scaling.original_context_length",
+        "rope.scaling.attn_factor",
+    },
+    "qwen3moe": {
+        "expert_count",
+        "expert_used_count",
+        "expert_feed_forward_length",
+        "expert_weights_norm",
+        "expert_gating_func",
+        "expert_shared_count",
+        "rope.scaling.type",
+        "rope.scaling.factor",
+    },
+}
+# Block counts of the 27B models, whose query scale llama.cpp takes as hidden / heads.
+_LARGE_BLOCKS = {"gemma2": 46, "gemma3": 62}
+_SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
+
+_GEMMA_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_PHI3_LAYER = {
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_QWEN3MOE_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+}
+LAYER_NAMES = {
+    "gemma2": _GEMMA_LAYER,
+    "gemma3": _GEMMA_LAYER,
+    "phi3": _PHI3_LAYER,
+    "qwen3moe": _QWEN3MOE_LAYER,
+}
+Get = Callable[..., object]
+
+
+def refuse_unknown_keys(arch: str, meta: dict, path: str) -> None:
+    """Refuse, by name, any ``{arch}.*`` key this mapping does not read."""
+    known = COMMON_KEYS | _KEYS[arch]
+    for key, value in meta.items():
+        if key.startswith(arch + ".") and key[len(arch) + 1 :] not in known:
+            raise refuse(key, value, f"not mapped from GGUF for {arch}", path)
+
+
+def family_config(arch: str, config: dict, get: Get, path: str) -> dict:
+    """``config`` (the common keys, read by ``runner.gguf.gguf_config``) completed with the
+    family's own keys, as the runner's Hugging Face config of that family."""
+    config["model_type"] = MODEL_TYPES[arch]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rotated = get("rope.dimension_count")
+    if rotated is not None and int(rotated) != head_dim and arch != "phi3":
+        why = f"partial rotary (head {head_dim})"
+        raise refuse(f"{arch}.rope.dimension_count", rotated, why, path)
+    values = get("attention.value_length")
+    if values is not None and int(values) != head_dim:
+        why = f"values as wide as keys ({head_dim})"
+        raise refuse(f"{arch}.attention.value_length", values, why, path)
+    if arch in ("gemma2", "gemma3"):
+        _gemma(arch, config, get, head_dim, path)
+    elif arch == "phi3":
+        _phi3(config, get, head_dim, rotated, path)
+    else:
+        _qwen3moe(config, get, path)
+    return config
+
+
+def _rope_scaling(arch: str, config: dict, get: Get, path: str) -> None:
+    kind = get("rope.scaling.type")
+    if kind == "linear":
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(get("rope.scaling.factor")),
+        }
+    elif kind not in (None, "none"):
+        raise refuse(f"{arch}.rope.scaling.type", kind, "GGUF RoPE scaling: linear only", path)
+
+
+def _gemma(arch: str, config: dict, get: Get, head_dim: int, path: str) -> None:
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    large = layers == _LARGE_BLOCKS[arch]
+    config["query_pre_attn_scalar"] = hidden // config["num_attention_heads"] if large else head_dim
+    config["head_dim"] = head_dim
+    window = get("attention.sliding_window")
+    final_cap = get("final_logit_softcapping")
+    if arch == "gemma2":
+        # Absent keys keep Gemma 2's defaults (window 4096, caps 50 and 30), llama.cpp's too.
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if get(key) is not None:
+                config[key] = float(get(key))
+        if window is not None:
+            config["sliding_window"] = int(window)
+        return
+    config["final_logit_softcapping"] = None if final_cap is None else float(final_cap)
+    config["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10000.0))
+    _rope_scaling(arch, config, get, path)
+    if not window:  # no window in the file: llama.cpp runs every layer as full attention
+        config["layer_types"] = ["full_attention"] * layers
+        return
+    config["sliding_window"] = int(window)
+    pattern = get("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # per layer: true where the layer slides
+        if len(pattern) != layers:
+            why = f"one entry per layer ({layers})"
+            raise refuse(f"{arch}.attention.sliding_window_pattern", pattern, why, path)
+        config["layer_types"] = [
+            "sliding_attention" if slides else "full_attention" for slides in pattern
+        ]
+    else:
+        config["sliding_window_pattern"] = int(pattern)
+
+
+def _phi3(config: dict, get: Get, head_dim: int, rotated, path: str) -> None:
+    if rotated is not None and int(rotated) != head_dim:
+        config["partial_rotary_factor"] = int(rotated) / head_dim
+    window = get("attention.sliding_window")
+    # The converter writes 0 for "no window" (Phi-4-mini).
+    config["sliding_window"] = int(window) if window else None
+    original = get("rope.scaling.original_context_length")
+    if original is not None:
+        config["original_max_position_embeddings"] = int(original)
+    attn_factor = get("rope.scaling.attn_factor")
+    if attn_factor is not None:  # LongRoPE: the tables arrive as tensors (map_family_tensors)
+        config["rope_scaling"] = {"rope_type": "longrope", "attention_factor": float(attn_factor)}
+
+
+def _qwen3moe(config: dict, get: Get, path: str) -> None:
+    try:
+        experts = int(get("expert_count"))
+        used = int(get("expert_used_count"))
+        width = int(get("expert_feed_forward_length"))
+    except (TypeError, ValueError):
+        raise CorruptModelFile("missing or bad qwen3moe expert keys", path=path) from None
+    shared = get("expert_shared_count")
+    if shared:
+        raise refuse("qwen3moe.expert_shared_count", shared, "qwen3_moe has no shared expert", path)
+    gating = get("expert_gating_func")
+    if gating is not None and int(gating) != _SOFTMAX_GATING:
+        raise refuse("qwen3moe.expert_gating_func", gating, "qwen3_moe routes by softmax", path)
+    config["num_experts"] = experts
+    config["num_experts_per_tok"] = used
+    config["moe_intermediate_size"] = width
+    config["norm_topk_prob"] = bool(get("expert_weights_norm", True))
+    config["decoder_sparse_step"] = 1
+    config["mlp_only_layers"] = []
+    _rope_scaling("qwen3moe", config, get, path)
+
+
+def _dense_stack(w) -> mx.array:
+    """A stacked ``[E, out, in]`` expert tensor as float32: dense as stored, or each quantized
+    expert (a ``GGUFQuantized`` per expert, see ``runner.gguf.read_gguf``) dequantized."""
+    if isinstance(w, list):
+        return mx.array(np.stack([affine_dense(*q.unpack()) for q in w]))
+    return w.astype(mx.float32) if w.dtype != mx.float32 else w
+
+
+def map_family_tensors(arch: str, weights: dict, config: dict) -> dict:
+    """Rename a family's GGUF tensors to the runner's Hugging Face names and undo the
+    converter's transforms (module docstring); unknown tensors stay under their GGUF names
+    (surfacing as extras, never silently used)."""
+    names = LAYER_NAMES[arch]
+    gemma = arch in ("gemma2", "gemma3")
+    out: dict = {}
+    tables: dict[str, list[float]] = {}
+    for name, w in weights.items():
+        stem, _, suffix = name.rpartition(".")
+        if stem.startswith("blk."):
+            _, idx, part = stem.split(".", 2)
+            mapped = names.get(part)
+            key = f"model.layers.{idx}.{mapped}.{suffix}" if mapped else name
+        else:
+            mapped = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
+            mapped["output"] = "lm_head"
+            if stem in ("rope_factors_short", "rope_factors_long") and arch == "phi3":
+                tables[stem] = np.array(w.astype(mx.float32)).tolist()
+                continue
+            key = f"{mapped[stem]}.{suffix}" if stem in mapped else name
+            part = stem
+        if gemma and part.endswith("norm") and isinstance(w, mx.array):
+            w = w.astype(mx.float32) - 1.0  # the file holds 1 + w (module docstring)
+        elif part.endswith("_exps"):
+            w = _dense_stack(w)
+        out[key] = w
+    if tables:
+        scaling = config.setdefault("rope_scaling", {"rope_type": "longrope"})
+        scaling["short_factor"] = tables.get("rope_factors_short")
+        scaling["long_factor"] = tables.get("rope_factors_long")
+    return out

@@ -1,0 +1,98 @@
+"""Greedy tokens and tokenization of the runner and of llama.cpp on the Gemma 2 / Gemma 3 /
+Phi-3 / Qwen3-MoE GGUF files the tests write (``tests/test_gguf_families.py``).
+
+Each family's tiny random checkpoint (Q4_K / Q6_K tensors, F32 norms, a SentencePiece BPE
+vocabulary) is loaded by the runner kept quantized with exact products, and by llama.cpp
+(``llama-cpp-python`` in ``.venv-llamacpp``, see ``scripts/bench/llamacpp.py``), which is fed
+the same prompt ids and then its own argmax. Reported per family: greedy tokens agreeing
+before the first difference, the largest difference of the last prompt position's logits,
+and how many of a few hundred varied strings both tokenizers split identically. Random
+weights leave small margins between the top logits, so llama.cpp's int8 activations may flip
+a close pick. Phi-3's file has no sliding window here: llama.cpp turns Phi-3's window off,
+while the runner (as transformers) applies it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from scripts.bench.gguf_agreement import agreed  # noqa: E402
+from scripts.bench.llamacpp import ensure_llama_venv  # noqa: E402
+
+# Runs in llama.cpp's environment: argv[1] is {"path", "prompt", "tokens", "texts"}; prints
+# the greedy ids, the last prompt position's logits and the tokenization of every text.
+LLAMA_CHILD = """
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+job = json.loads(sys.argv[1])
+m = Llama(model_path=job["path"], n_ctx=128, n_threads=1, verbose=False, logits_all=True)
+texts = [m.tokenize(t.encode(), add_bos=False, special=True) for t in job["texts"]]
+m.eval(job["prompt"])
+first = np.array(m.scores[m.n_tokens - 1]).tolist()
+ids = []
+for _ in range(job["tokens"]):
+    ids.append(int(np.argmax(m.scores[m.n_tokens - 1])))
+    m.eval([ids[-1]])
+print(json.dumps({"ids": ids, "logits": first, "texts": texts}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--texts", type=int, default=300)
+    parser.add_argument("--skip-build", action="store_true", help="fail if llama.cpp is not built")
+    args = parser.parse_args()
+    import numpy as np
+
+    from runner.models.layers import set_exact_products
+    from tests.test_gguf_families import FAMILIES, PROMPT, varied_strings, write_pair
+    from tests.test_gguf_models import greedy, logits, tuned
+
+    python = ensure_llama_venv(args.skip_build)
+    set_exact_products(True)
+    texts = [t for t in varied_strings(args.texts, seed=1) if t.strip()]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for arch in FAMILIES:
+            extra = {"phi3.attention.sliding_window": 0} if arch == "phi3" else None
+            _, path = write_pair(pathlib.Path(folder), arch, extra)
+            loaded = tuned(path)
+            prompt = loaded.tokenizer.encode(PROMPT)
+            ours = greedy(loaded.model, prompt, args.tokens)
+            ref = logits(loaded.model, prompt)[-1]
+            job = json.dumps(
+                {"path": path, "prompt": prompt, "tokens": args.tokens, "texts": texts}
+            )
+            done = subprocess.run([python, "-c", LLAMA_CHILD, job], capture_output=True, text=True)
+            if done.returncode:
+                rows.append(f"| {arch} | llama.cpp failed: {done.stderr.strip()[-200:]} | | |")
+                continue
+            theirs = json.loads(done.stdout.strip().splitlines()[-1])
+            diff = float(np.abs(np.array(theirs["logits"]) - ref).max())
+            same = sum(
+                loaded.tokenizer.encode(t, add_bos=False) == ids
+                for t, ids in zip(texts, theirs["texts"], strict=True)
+            )
+            rows.append(
+                f"| {arch} | {agreed(theirs['ids'], ours)}/{args.tokens} | "
+                f"{diff:.4f} (span {ref.max() - ref.min():.2f}) | {same}/{len(texts)} |"
+            )
+    print("| family | greedy agreement | last-prompt logit diff | tokenization agreement |")
+    print("|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
