@@ -5,7 +5,8 @@
 ``runner.quantized.QuantizedTensor`` objects, exact. llama.cpp's converter permutes the rows
 of llama Q/K projections for interleaved RoPE; we undo that so every model in memory has the
 Hugging Face layout (rotate-half RoPE), whatever file it came from. The Gemma 2 / Gemma 3,
-Phi-3 and Qwen3-MoE families are mapped by ``runner.gguf_families``; SentencePiece BPE
+Phi-3, Qwen3-MoE and GLM-4.5 families are mapped by ``runner.gguf_families``, the Qwen3.5
+hybrids (dense and MoE) and Qwen3-Next by ``runner.gguf_hybrid``; SentencePiece BPE
 vocabularies (``llama`` tokenizer model) are built by ``runner.gguf_tokenizer``.
 """
 
@@ -18,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture, UnsupportedTokenizer
-from runner import chat_template, gguf_families
+from runner import chat_template, gguf_families, gguf_hybrid
 from runner.chat_template import ChatTemplate
 from runner.gguf_tensors import FORMATS, GGUFQuantized, _reader, _tensor
 from runner.gguf_tokenizer import spm_hf_tokenizer
@@ -30,7 +31,7 @@ GROUP_SIZE = 32
 Tensor = mx.array | GGUFQuantized
 Progress = Callable[[str, int, int], None]
 LLAMA_ARCHS = ("llama", "qwen2", "qwen3")
-SUPPORTED_ARCHS = LLAMA_ARCHS + gguf_families.ARCHS
+SUPPORTED_ARCHS = LLAMA_ARCHS + gguf_families.ARCHS + gguf_hybrid.ARCHS
 # Control tokens llama.cpp also ends generation on, by their text (its end-of-generation
 # list): a chat model's end of turn is often not the file's eos_token_id.
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>")
@@ -64,13 +65,23 @@ _QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's: letters run on through combining marks (\p{M}), which Qwen2's split off.
+_QWEN35_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _PRE_PATTERNS = {
     "llama-bpe": _LLAMA3_PATTERN,
     "llama3": _LLAMA3_PATTERN,
+    "glm4": _LLAMA3_PATTERN,  # llama.cpp's chatglm4 split is llama3's
+    "chatglm-bpe": _LLAMA3_PATTERN,
     "qwen2": _QWEN2_PATTERN,
-    "qwen35": _QWEN2_PATTERN,
+    "qwen35": _QWEN35_PATTERN,
 }
 _DIGIT_SPLITTING = {"smollm", "starcoder", "refact"}
+# Pre-tokenizers whose BOS llama.cpp sets to none whatever the file says: GLM's chat format
+# opens with its own tokens (``[gMASK]<sop>``), which its chat template writes.
+_NO_BOS = {"glm4", "chatglm-bpe"}
 
 
 def _scalar(v):
@@ -123,6 +134,8 @@ def gguf_config(meta: dict, path: str) -> dict:
 
     if arch in gguf_families.ARCHS:
         gguf_families.refuse_unknown_keys(arch, meta, path)
+    elif arch in gguf_hybrid.ARCHS:
+        gguf_hybrid.refuse_unknown_keys(arch, meta, path)
     try:
         heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
@@ -146,6 +159,8 @@ def gguf_config(meta: dict, path: str) -> dict:
         config["head_dim"] = int(key_len)
     if arch in gguf_families.ARCHS:
         gguf_families.family_config(arch, config, get, path)
+    elif arch in gguf_hybrid.ARCHS:
+        gguf_hybrid.family_config(arch, config, get, path)
     else:
         _llama_config(arch, config, get, path)
     vocab = get("vocab_size")
@@ -198,6 +213,8 @@ def map_gguf_tensors(
     arch = arch or config["model_type"]
     if arch in gguf_families.ARCHS:
         return gguf_families.map_family_tensors(arch, weights, config)
+    if arch in gguf_hybrid.ARCHS:
+        return gguf_hybrid.map_hybrid_tensors(arch, weights, config)
     out: dict[str, Tensor] = {}
     for name, w in weights.items():
         if isinstance(w, list):  # stacked quantized experts (read_gguf): no such blocks here
@@ -265,6 +282,8 @@ def gguf_tokenizer(meta: dict, path: str) -> Tokenizer:
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     # llama.cpp's default when the key is absent: SentencePiece vocabularies add BOS.
     add_bos = bool(_scalar(add_bos)) if add_bos is not None else kind == "llama"
+    if meta.get("tokenizer.ggml.pre") in _NO_BOS:  # llama.cpp drops their BOS id
+        bos, add_bos = None, False
     eos_ids.discard(None)
     return Tokenizer(hf, bos_id=bos, eos_ids=eos_ids, add_bos=add_bos, vocab_size=len(tokens))
 

@@ -1,5 +1,5 @@
-"""GGUF files of the Gemma 2, Gemma 3, Phi-3 and Qwen3-MoE families, as the runner's Hugging
-Face config dicts and tensor names (``runner.gguf`` reads the file and the common keys).
+"""GGUF files of the Gemma 2, Gemma 3, Phi-3, Qwen3-MoE and GLM-4.5 families, as the runner's
+Hugging Face config dicts and tensor names (``runner.gguf`` reads the file and the common keys).
 
 Per family, what llama.cpp's converter changed and what is undone here:
 
@@ -21,6 +21,15 @@ Per family, what llama.cpp's converter changed and what is undone here:
   stacked experts on the CPU, and dequantizes them there anyway); the router is
   ``ffn_gate_inp``. llama.cpp always renormalises the top-k weights of this architecture
   (``norm_topk_prob``) unless ``expert_weights_norm`` says otherwise.
+- ``glm4moe``: nothing transformed (its RoPE rotates halves already, so Q/K are not
+  permuted). The first ``leading_dense_block_count`` layers are dense; the others route by
+  sigmoid with the ``exp_probs_b`` correction bias, ``expert_group_count`` /
+  ``expert_group_used_count`` groups, ``expert_weights_norm`` (llama.cpp's default when
+  absent: off) and ``expert_weights_scale``, plus ``expert_shared_count`` plain shared
+  experts (``ffn_*_shexp``). Q/K/V biases and q/k norms are decided by the tensors present
+  (the file has no key for them). The MTP layer (``nextn_predict_layers``, counted in
+  ``block_count`` and stored as the last block with ``nextn.*`` tensors) is dropped: the
+  target loads without its MTP head.
 
 Every ``{arch}.*`` metadata key of these families is either read (``runner.gguf``'s common
 keys or :data:`_KEYS`) or refused by name: a key we do not know may change the math.
@@ -28,17 +37,22 @@ keys or :data:`_KEYS`) or refused by name: a key we do not know may change the m
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
 from protocol.errors import CorruptModelFile
-from runner.models.config import refuse
+from runner.gguf_tensors import GGUFQuantized
+from runner.models.config import malformed, refuse
 from runner.quantized import affine_dense
 
-ARCHS = ("gemma2", "gemma3", "phi3", "qwen3moe")
+log = logging.getLogger("mtp_runner.gguf")
+
+ARCHS = ("gemma2", "gemma3", "phi3", "qwen3moe", "glm4moe")
 MODEL_TYPES = {"gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3", "qwen3moe": "qwen3_moe"}
+MODEL_TYPES["glm4moe"] = "glm4_moe"
 # The common keys runner.gguf.gguf_config reads for every architecture.
 COMMON_KEYS = frozenset(
     {
@@ -81,10 +95,23 @@ _KEYS = {
         "rope.scaling.type",
         "rope.scaling.factor",
     },
+    "glm4moe": {
+        "expert_count",
+        "expert_used_count",
+        "expert_feed_forward_length",
+        "expert_shared_count",
+        "expert_weights_norm",
+        "expert_weights_scale",
+        "expert_gating_func",
+        "expert_group_count",
+        "expert_group_used_count",
+        "leading_dense_block_count",
+        "nextn_predict_layers",
+    },
 }
 # Block counts of the 27B models, whose query scale llama.cpp takes as hidden / heads.
 _LARGE_BLOCKS = {"gemma2": 46, "gemma3": 62}
-_SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
+_SOFTMAX_GATING, _SIGMOID_GATING = 1, 2  # llama.cpp's expert_gating_func values
 
 _GEMMA_LAYER = {
     "attn_q": "self_attn.q_proj",
@@ -123,11 +150,23 @@ _QWEN3MOE_LAYER = {
     "ffn_up_exps": "mlp.switch_mlp.up_proj",
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
+_GLM4MOE_LAYER = {
+    **{k: v for k, v in _QWEN3MOE_LAYER.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",  # stored as exp_probs_b.bias
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 LAYER_NAMES = {
     "gemma2": _GEMMA_LAYER,
     "gemma3": _GEMMA_LAYER,
     "phi3": _PHI3_LAYER,
     "qwen3moe": _QWEN3MOE_LAYER,
+    "glm4moe": _GLM4MOE_LAYER,
 }
 Get = Callable[..., object]
 
@@ -146,7 +185,7 @@ def family_config(arch: str, config: dict, get: Get, path: str) -> dict:
     config["model_type"] = MODEL_TYPES[arch]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     rotated = get("rope.dimension_count")
-    if rotated is not None and int(rotated) != head_dim and arch != "phi3":
+    if rotated is not None and int(rotated) != head_dim and arch not in ("phi3", "glm4moe"):
         why = f"partial rotary (head {head_dim})"
         raise refuse(f"{arch}.rope.dimension_count", rotated, why, path)
     values = get("attention.value_length")
@@ -157,6 +196,8 @@ def family_config(arch: str, config: dict, get: Get, path: str) -> dict:
         _gemma(arch, config, get, head_dim, path)
     elif arch == "phi3":
         _phi3(config, get, head_dim, rotated, path)
+    elif arch == "glm4moe":
+        _glm4moe(config, get, head_dim, rotated, path)
     else:
         _qwen3moe(config, get, path)
     return config
@@ -243,6 +284,32 @@ def _qwen3moe(config: dict, get: Get, path: str) -> None:
     _rope_scaling("qwen3moe", config, get, path)
 
 
+def _glm4moe(config: dict, get: Get, head_dim: int, rotated, path: str) -> None:
+    arch = "glm4moe"
+    blocks = config["num_hidden_layers"]
+    mtp = get("nextn_predict_layers") or 0
+    if not isinstance(mtp, int) or not 0 <= mtp < blocks:
+        raise malformed(f"{arch}.nextn_predict_layers", f"{mtp!r} of {blocks} blocks", path)
+    config["num_hidden_layers"] = blocks - mtp  # the MTP layer is counted in block_count
+    try:
+        config["n_routed_experts"] = int(get("expert_count"))
+        config["num_experts_per_tok"] = int(get("expert_used_count"))
+        config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+    except (TypeError, ValueError):
+        raise CorruptModelFile("missing or bad glm4moe expert keys", path=path) from None
+    gating = get("expert_gating_func")
+    if gating is not None and int(gating) != _SIGMOID_GATING:
+        raise refuse(f"{arch}.expert_gating_func", gating, "glm4_moe routes by sigmoid", path)
+    config["head_dim"] = head_dim
+    config["partial_rotary_factor"] = (int(rotated) if rotated else head_dim) / head_dim
+    config["first_k_dense_replace"] = int(get("leading_dense_block_count", 0))
+    config["n_shared_experts"] = int(get("expert_shared_count", 0))
+    config["n_group"] = int(get("expert_group_count", 1))
+    config["topk_group"] = int(get("expert_group_used_count", 1))
+    config["norm_topk_prob"] = bool(get("expert_weights_norm", False))
+    config["routed_scaling_factor"] = float(get("expert_weights_scale", 1.0))
+
+
 def _dense_stack(w) -> mx.array:
     """A stacked ``[E, out, in]`` expert tensor as float32: dense as stored, or each quantized
     expert (a ``GGUFQuantized`` per expert, see ``runner.gguf.read_gguf``) dequantized."""
@@ -259,12 +326,20 @@ def map_family_tensors(arch: str, weights: dict, config: dict) -> dict:
     gemma = arch in ("gemma2", "gemma3")
     out: dict = {}
     tables: dict[str, list[float]] = {}
+    dropped = []
     for name, w in weights.items():
         stem, _, suffix = name.rpartition(".")
         if stem.startswith("blk."):
             _, idx, part = stem.split(".", 2)
+            if arch == "glm4moe" and int(idx) >= config["num_hidden_layers"]:
+                dropped.append(name)  # the MTP layer (module docstring)
+                continue
+            if arch == "glm4moe" and part == "ffn_gate_inp" and isinstance(w, GGUFQuantized):
+                w = mx.array(affine_dense(*w.unpack()))  # a sigmoid router stays float32
             mapped = names.get(part)
             key = f"model.layers.{idx}.{mapped}.{suffix}" if mapped else name
+            if part == "exp_probs_b":  # a bare parameter in the Hugging Face names
+                key = f"model.layers.{idx}.{mapped}"
         else:
             mapped = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
             mapped["output"] = "lm_head"
@@ -278,6 +353,14 @@ def map_family_tensors(arch: str, weights: dict, config: dict) -> dict:
         elif part.endswith("_exps"):
             w = _dense_stack(w)
         out[key] = w
+    if arch == "glm4moe":
+        # No keys for these: the tensors say (the model is built after this mapping).
+        config["attention_bias"] = any(k.endswith(".self_attn.q_proj.bias") for k in out)
+        config["use_qk_norm"] = any(k.endswith(".self_attn.q_norm.weight") for k in out)
+    if dropped:
+        log.info(
+            "skipping %d MTP tensors (%s, ...): not loaded from GGUF", len(dropped), dropped[0]
+        )
     if tables:
         scaling = config.setdefault("rope_scaling", {"rope_type": "longrope"})
         scaling["short_factor"] = tables.get("rope_factors_short")

@@ -1,5 +1,6 @@
 """GGUF files of the Gemma 2, Gemma 3, Phi-3 and Qwen3-MoE families, and their SentencePiece
-vocabularies (``runner.gguf_families``, ``runner.gguf_tokenizer``).
+vocabularies (``runner.gguf_families``, ``runner.gguf_tokenizer``); the byte-level split of
+Qwen3.5's and GLM's vocabularies (GLM-4.5's model: ``tests.test_gguf_hybrid``).
 
 Each family's tiny checkpoint is written twice from one set of tensors: as a Hugging Face
 directory (config.json, model.safetensors, tokenizer.json) and as the GGUF file llama.cpp's
@@ -537,3 +538,37 @@ def test_unknown_architecture_names_the_supported_ones():
         runner_gguf.gguf_config({"general.architecture": "mamba"}, "m.gguf")
     for arch in ("llama", "gemma3", "gemma2", "phi3", "qwen3moe"):
         assert arch in str(info.value)
+
+
+# --- the byte-level BPE split of these files' tokenizers
+
+
+def gpt2_meta(pre: str) -> dict:
+    from runner.tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values()) + ["<|endoftext|>"]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.token_type": [1] * 256 + [3],
+        "tokenizer.ggml.bos_token_id": 256,
+        "tokenizer.ggml.eos_token_id": 256,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+
+
+def test_qwen35_split_keeps_combining_marks_and_glm4_has_no_bos():
+    from runner import gguf as runner_gguf
+
+    text = "cafe\u0301 x\u0308y"  # decomposed accents: a letter then a combining mark
+    pieces = {}
+    for pre in ("qwen2", "qwen35"):
+        hf = runner_gguf._gpt2_tokenizer(gpt2_meta(pre), "t.gguf")
+        pieces[pre] = len(hf.pre_tokenizer.pre_tokenize_str(text))
+    assert pieces == {"qwen2": 4, "qwen35": 2}  # Qwen2 splits a mark off a word
+    glm = runner_gguf.gguf_tokenizer(gpt2_meta("glm4"), "t.gguf")
+    assert glm.bos_id is None and not glm.add_bos
+    qwen = runner_gguf.gguf_tokenizer(gpt2_meta("qwen35"), "t.gguf")
+    assert qwen.bos_id == 256 and qwen.add_bos
