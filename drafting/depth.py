@@ -111,6 +111,19 @@ class DepthController:
         with self._lock:
             self._round_start = self._round_depth = self._before_depth = None
 
+    def round_elsewhere(self) -> None:
+        """Another drafter's round runs now: no cost sample may span it."""
+        self.begin_request()
+
+    def head_rate(self, depth: int) -> float | None:
+        """Expected committed tokens at ``depth`` per plain step's time (None until the
+        costs of depth 0 and ``depth`` are known)."""
+        with self._lock:
+            plain, cost = self.cost(0), self.cost(depth)
+            if plain is None or cost is None or 0 not in self._relative or cost <= 0:
+                return None
+            return self.expected_committed(depth) * plain / cost
+
     # -- measurements -------------------------------------------------------------------------
 
     def round_started(self, depth: int) -> None:
@@ -330,6 +343,13 @@ class RequestDepth:
             self.controller.observe(judged, accepted)
         self.controller.next()
 
+    def round_elsewhere(self) -> None:
+        if self.controller is not None:
+            self.controller.round_elsewhere()
+
+    def head_rate(self, depth: int) -> float | None:
+        return self.controller.head_rate(depth) if self.controller is not None else None
+
 
 class FixedDepth:
     """A constant depth with the request interface (tests, benchmarks, ``--draft-depth``)."""
@@ -350,3 +370,9 @@ class FixedDepth:
 
     def round_finished(self, judged: int, accepted: int) -> None:
         pass
+
+    def round_elsewhere(self) -> None:
+        pass
+
+    def head_rate(self, depth: int) -> float | None:
+        return None  # fixed lengths: a suffix draft, when there is one, takes the round

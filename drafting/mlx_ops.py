@@ -31,8 +31,8 @@ import mlx.core as mx
 
 from drafting.accept import matched_decision
 from drafting.logprobs import LogprobRows
-from drafting.rounds import HeadError, HostError, Replay, TargetError, Verification
-from drafting.session import DraftSession
+from drafting.seam import HeadError, HostError, Replay, TargetError, Verification
+from drafting.session import DraftSession, Proposal
 
 
 class MlxRoundOps:
@@ -197,6 +197,12 @@ class MlxRoundOps:
     def head_discard(self) -> None:
         if self.draft is not None:
             self.draft.discard()
+
+    def fed_prompt(self, last: int) -> None:
+        self._x_at = self.position  # _feed_x: already in the history (and the matcher)
+
+    def fixed_proposal(self, drafts: Sequence[int]) -> Proposal:
+        return Proposal(tokens=mx.array(list(drafts), dtype=mx.int32), slot=self.position + 1)
 
     # -- target -----------------------------------------------------------------------------
 

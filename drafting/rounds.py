@@ -38,6 +38,20 @@ SPECULATE    capture the entry; head step (k lazy drafts); verify feed [x, d1..d
              (r = i, end); close markers C (r = i, then CLOSE_AT_DRAFT: replay C, successor from
              its last row); emitter exception (r = i - 1, head discarded, error).
 
+SUFFIX       as SPECULATE with the suffix drafter's k drafts (``drafting.suffix``) in place
+             of the head step: no head forward; RECONCILE commits the run to the head as
+             after any round. Chosen when the plan says the text occurred before and the
+             draft's expected rate beats the head's at its depth; the head's depth
+             controller sees no such round (``round_elsewhere``), the suffix model learns
+             its acceptance.
+
+WARM         the request's first round (``warm_round``): x is the prompt's last token, not
+             yet fed, never emitted (``fed_prompt``: it is in the penalty history and the
+             matcher already). The head drafts from the prefill's frontier, the suffix
+             drafter continues the prompt; SPECULATE without EMIT_X, committing only the
+             drafts. With no draft, or a head-step, draft-evaluation or verify-host failure,
+             nothing stays fed and the caller feeds x plainly (None).
+
 Failure rows (the ``OpError`` classes of the seam: invalid target state, head failure, host
 failure after the caches were mutated):
 
@@ -72,136 +86,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from cache.ledger import EmitterStep, Ledger, Verdict
 from drafting.accept import accepted_count
+from drafting.depth import MAX_DRAFT_DEPTH
+from drafting.seam import (  # noqa: F401  (the seam's names, importable from here too)
+    DepthSource,
+    HeadError,
+    HostError,
+    OpError,
+    Replay,
+    RoundOps,
+    SuffixSource,
+    TargetError,
+    Verification,
+)
 from drafting.stats import SpecStats
-
-# -- the seam ---------------------------------------------------------------------------------
-
-
-class OpError(Exception):
-    """A seam operation failed; the subclass says what state it left behind.
-
-    ``drafted``: from ``head_step``, the drafts it had proposed before it failed (a head that
-    drafts step by step may fail at step i > 0); the statistics count them."""
-
-    def __init__(self, *args: object, drafted: int = 0) -> None:
-        super().__init__(*args)
-        self.drafted = drafted
-
-
-class TargetError(OpError):
-    """A target forward, restore or rewind failed part-way: the caches are not reusable."""
-
-
-class HeadError(OpError):
-    """The draft head failed (its forward, or its lazy drafts inside the fused evaluation)."""
-
-
-class HostError(OpError):
-    """Host-side failure after every cache mutation of the call completed.
-
-    ``salvage`` is a token distributed exactly as the successor of the first fed token (verify
-    feed) or of the last fed token (replay feed asked for a successor), when the host data
-    survived; None otherwise."""
-
-    def __init__(
-        self, message: str = "host failure", salvage: int | None = None, *, drafted: int = 0
-    ) -> None:
-        super().__init__(message, drafted=drafted)
-        self.salvage = salvage
-
-
-@dataclass
-class Verification:
-    """Host data of one verify feed of [x, d1..dk] (k = 0 for a target-only feed)."""
-
-    drafts: list[int]  # d1..dk
-    accept: list[bool]  # accept[i]: d_{i+1} passed verification
-    successors: list[int]  # successors[i]: next token when exactly i drafts are accepted
-    rows: object = None  # opaque: the verified target hiddens, handed back to head_commit
-
-
-@dataclass
-class Replay:
-    """Host data of one replay feed."""
-
-    successor: int | None  # drawn from the last row when asked, else None
-    rows: object = None  # opaque: the fed tokens' target hiddens
-
-
-class RoundOps(Protocol):
-    """Model operations behind the driver. Positions are absolute target offsets; head pairs
-    count draft-KV slots (slot S pairs token S+1 with the target hidden at S)."""
-
-    @property
-    def position(self) -> int:
-        """Tokens the target caches hold."""
-
-    @property
-    def head_alive(self) -> bool:
-        """A draft head exists and has not been discarded."""
-
-    @property
-    def head_ready(self) -> bool:
-        """Alive and primed (a frontier hidden exists), so it can draft."""
-
-    @property
-    def head_pairs(self) -> int:
-        """Pairs in the draft KV, speculative entries included."""
-
-    def capture(self) -> object:
-        """Entry state of the target caches, enough for ``restore``."""
-
-    def restore(self, state: object) -> None:
-        """Back to a captured state (also undoes a failed fused forward). TargetError."""
-
-    def rewind(self, position: int) -> None:
-        """Truncate the target caches to ``position``. TargetError when out of range."""
-
-    def head_step(self, current: int, k: int) -> object:
-        """Draft k tokens after ``current`` from the frontier; returns an opaque, lazily
-        computed proposal that ``verify_feed`` evaluates with the target. HeadError, HostError
-        (``drafted``: how many drafts it proposed before it failed)."""
-
-    def verify_feed(self, current: int, proposal: object | None) -> Verification:
-        """Feed [current, d1..dk] in one forward and sync once. HeadError (the proposal failed
-        to evaluate; the target may be half-mutated), TargetError, HostError."""
-
-    def replay_feed(self, tokens: Sequence[int], successor: bool) -> Replay:
-        """Feed tokens whose logits are not needed, except the last row's successor draw
-        when ``successor``. TargetError, HostError."""
-
-    def head_commit(self, tokens: Sequence[int], rows: object) -> None:
-        """Commit pairs for ``tokens`` (fed at the current frontier) using the first
-        ``len(tokens)`` target hidden rows of ``rows``; the first token pairs with the frontier
-        hidden, and the new frontier hidden is the last row used. HeadError, HostError."""
-
-    def head_rewind(self, pairs: int) -> None:
-        """Drop draft-KV entries above ``pairs`` that were not committed from target hiddens.
-        After ``head_rewind(n)`` and ``head_commit(t, rows)`` the head holds n + len(t) pairs."""
-
-    def head_discard(self) -> None:
-        """Stop drafting for the rest of the request; the draft KV is no longer trusted."""
-
-
-# -- what the driver talks to besides the seam -----------------------------------------------
-
-
-class DepthSource(Protocol):
-    """``drafting.depth.RequestDepth`` or ``FixedDepth``."""
-
-    @property
-    def enabled(self) -> bool: ...
-
-    @property
-    def depth(self) -> int: ...
-
-    def round_started(self, depth: int) -> None: ...
-
-    def round_finished(self, judged: int, accepted: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -219,15 +119,18 @@ class RoundEnd:
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """The park/resume decision for the next round: ``depth`` drafts (0 = target-only) and
-    why: "speculate", "disabled", "no-head", "depth-0" or "last-token"."""
+    """The park/resume decision for the next round: ``depth`` head drafts (0 = none) and
+    why: "speculate", "disabled", "no-head", "depth-0" or "last-token"; ``suffix``: the text
+    being written occurred before, so the round asks the suffix drafter too (with no head
+    depth, the round is the suffix drafter's or target-only)."""
 
     depth: int
     why: str
+    suffix: bool = False
 
     @property
     def parked(self) -> bool:
-        return self.depth == 0
+        return self.depth == 0 and not self.suffix
 
 
 class RoundError(Exception):
@@ -281,11 +184,13 @@ class RoundDriver:
         budget: int | None = None,
         stats: SpecStats | None = None,
         ledger: Ledger | None = None,
+        suffix: SuffixSource | None = None,
     ) -> None:
         self.ops = ops
         self._emit = emit
         self._cancelled = cancelled
         self._depth = depth
+        self.suffix = suffix
         self.stats = stats if stats is not None else SpecStats()
         self.ledger = ledger if ledger is not None else Ledger()
         if budget is not None:
@@ -315,28 +220,82 @@ class RoundDriver:
         return self.ledger.remaining()
 
     def plan(self) -> RoundPlan:
-        """Depth of the next round, or why it is parked."""
+        """Depth of the next round, or why it is parked; ``suffix`` when the suffix drafter
+        expects a draft worth a round."""
         if not self._depth.enabled:
             return RoundPlan(0, "disabled")
+        head = self._head_plan()
+        if head.why == "last-token" or self.suffix is None or not self.suffix.expects_copy():
+            return head
+        return RoundPlan(head.depth, head.why, suffix=True)
+
+    def _head_plan(self) -> RoundPlan:
         if not self.ops.head_ready:
             return RoundPlan(0, "no-head")
         want = self._depth.depth
+        remaining = self.remaining()
+        if remaining is not None and remaining <= 1:
+            return RoundPlan(0, "last-token")
         if want <= 0:
             return RoundPlan(0, "depth-0")
-        remaining = self.remaining()
         k = want if remaining is None else min(want, remaining - 1)
-        if k <= 0:
-            return RoundPlan(0, "last-token")
         return RoundPlan(k, "speculate")
+
+    def _suffix_draft(self, x: int, plan: RoundPlan):
+        """The suffix drafter's draft after x when it beats the head's round (and plain
+        decoding: the drafter offers only drafts that do), else None."""
+        if not plan.suffix:
+            return None
+        remaining = self.remaining()
+        limit = MAX_DRAFT_DEPTH if remaining is None else min(MAX_DRAFT_DEPTH, remaining - 1)
+        draft, rate = self.suffix.draft(x, limit)
+        if draft is None or plan.depth == 0:
+            return draft
+        head_rate = self._depth.head_rate(plan.depth)
+        return draft if head_rate is None or rate > head_rate else None
 
     # -- entry points -------------------------------------------------------------------------
 
     def round(self, x: int) -> RoundEnd:
         """One round at the current token ``x``. Raises RoundError when the request must end."""
         plan = self.plan()
-        self._depth.round_started(plan.depth)
+        draft = self._suffix_draft(x, plan)
+        if draft is not None:
+            self._depth.round_elsewhere()
+            self.suffix.started("suffix", len(draft.tokens) + 1)
+        else:
+            self._depth.round_started(plan.depth)
+            if self.suffix is not None:
+                self.suffix.started("head" if plan.depth else "target")
         try:
-            return self._round(x, plan)
+            return self._round(x, plan, draft)
+        finally:
+            self.stats.final_depth = self._depth.depth
+
+    def warm_round(self, last: int) -> RoundEnd | None:
+        """WARM: the request's first round feeds the prompt's last token with the first drafts
+        (the head's from the prefill's frontier, or the suffix drafter's continuation of the
+        prompt), so generation starts without a forward of its own. None when no drafter has
+        a draft for it, or one failed before the verify forward committed anything: the
+        caches are as they were and the caller feeds the token plainly."""
+        remaining = self.remaining()
+        if not self._depth.enabled or (remaining is not None and remaining < 2):
+            return None
+        plan = self._head_plan()
+        draft = None
+        if self.suffix is not None:
+            limit = MAX_DRAFT_DEPTH if remaining is None else min(MAX_DRAFT_DEPTH, remaining - 1)
+            draft, rate = self.suffix.draft(last, limit, indexed=True)
+            head_rate = self._depth.head_rate(plan.depth) if plan.depth else None
+            if draft is not None and head_rate is not None and rate <= head_rate:
+                draft = None
+        if draft is None and plan.depth == 0:
+            return None
+        self._depth.round_elsewhere()  # the first round's time is not a steady round's
+        self.ops.fed_prompt(last)
+        k = len(draft.tokens) if draft is not None else plan.depth
+        try:
+            return self._speculate(last, k, draft, warm=True)
         finally:
             self.stats.final_depth = self._depth.depth
 
@@ -344,13 +303,15 @@ class RoundDriver:
         """Account one step of the plain decoder while parked (it wrote its token to the shared
         ledger): a measured depth-0 round."""
         self._depth.round_started(0)
+        if self.suffix is not None:
+            self.suffix.started("plain")
         self.stats.record_parked()
         self._depth.round_finished(0, 0)
         self.stats.final_depth = self._depth.depth
 
     # -- the round at x -----------------------------------------------------------------------
 
-    def _round(self, x: int, plan: RoundPlan) -> RoundEnd:
+    def _round(self, x: int, plan: RoundPlan, draft) -> RoundEnd:
         verdict = self._push(x)  # EMIT_X: an exception propagates with nothing mutated
         if not verdict.fed:  # EOS_AT_X
             return RoundEnd(verdict.end)
@@ -360,6 +321,8 @@ class RoundDriver:
             return self._replay([x, *verdict.forced], end=verdict.end)
         if verdict.end is not None:  # FINAL_SLOT
             return self._replay([x], end=verdict.end)
+        if draft is not None:
+            return self._speculate(x, len(draft.tokens), draft)
         if plan.depth == 0:
             self.stats.record_parked()
             end = self._target_only(x)
@@ -420,22 +383,30 @@ class RoundDriver:
 
     # -- the speculative round ----------------------------------------------------------------
 
-    def _speculate(self, x: int, k: int) -> RoundEnd:
+    def _speculate(self, x: int, k: int, draft=None, *, warm: bool = False) -> RoundEnd | None:
+        """SPECULATE with the head's k drafts, or with ``draft`` (a suffix draft of k tokens:
+        no head step; the head still follows the committed run). ``warm``: x is the prompt's
+        last token (WARM): never emitted nor committed as generated; where a round would fall
+        back to target-only, None with the caches at the entry (the caller feeds x plainly)."""
         entry_position = self.ops.position
-        entry_pairs = self.ops.head_pairs
+        entry_pairs = self.ops.head_pairs if self.ops.head_alive else 0
         entry = self.ops.capture()
+        source = "head" if draft is None else "suffix"
 
-        try:
-            proposal = self.ops.head_step(x, k)
-        except OpError as error:  # HEAD_STEP_FAILED
-            # The drafts it proposed before failing count, as those of a round failing later.
-            self.stats.record_drafted(min(max(error.drafted, 0), k))
-            if isinstance(error, HostError):  # host side: drop the step's entries and resume
-                self._head_rewind(entry_pairs)
-            else:  # the head is gone for this request
-                self._discard_head()
-            return self._target_only(x)
-        self.stats.record_drafted(k)  # proposed, whatever happens to the round from here
+        if draft is not None:
+            proposal = self.ops.fixed_proposal(draft.tokens)
+        else:
+            try:
+                proposal = self.ops.head_step(x, k)
+            except OpError as error:  # HEAD_STEP_FAILED
+                # The drafts it proposed before failing count, as a round failing later.
+                self.stats.record_drafted(min(max(error.drafted, 0), k))
+                if isinstance(error, HostError):  # host side: drop its entries and resume
+                    self._head_rewind(entry_pairs)
+                else:  # the head is gone for this request
+                    self._discard_head()
+                return None if warm else self._target_only(x)
+        self.stats.record_drafted(k, source)  # proposed, whatever happens from here
 
         try:
             verified = self.ops.verify_feed(x, proposal)
@@ -443,10 +414,14 @@ class RoundDriver:
         except HeadError:  # DRAFT_EVAL_FAILED
             self._restore(entry)
             self._discard_head()
-            return self._target_only(x)
+            return None if warm else self._target_only(x)
         except TargetError as error:  # TARGET_FAILED
             raise RoundError(error, reusable=False) from error
         except HostError as error:  # VERIFY_HOST
+            if warm:  # back to the entry: x is fed plainly next
+                self._rewind(entry_position)
+                self._discard_head()
+                return None
             self._rewind(entry_position + 1)
             self._commit([x])
             self._discard_head()
@@ -457,13 +432,16 @@ class RoundDriver:
         accepted = accepted_count(verified.accept)
         emitted = self._emit_drafts(verified.drafts[:accepted], k)
         # Drafts cut by a cancel, the budget or a stop never reached the host: not counted.
-        self.stats.record_round(emitted.emitted)
-        self._depth.round_finished(emitted.judged, min(accepted, emitted.judged))
+        self.stats.record_round(emitted.emitted, source)
+        if draft is None:
+            self._depth.round_finished(emitted.judged, min(accepted, emitted.judged))
+        else:
+            self.suffix.model.observe(draft.bucket, emitted.judged, min(accepted, emitted.judged))
 
         # RECONCILE: the target keeps [x, d1..dr]; the head gets the same run from target rows.
         run = [x, *verified.drafts[: emitted.retained]]
         self._rewind(entry_position + len(run))
-        self._commit(run)
+        self._commit(run[1:] if warm else run)
         if emitted.failure is not None:
             self._discard_head()
             raise RoundError(emitted.failure, reusable=True) from emitted.failure

@@ -17,7 +17,7 @@ failure discards the head for the rest of the request.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -31,6 +31,7 @@ from drafting.mlx_ops import MlxRoundOps
 from drafting.rounds import RoundDriver
 from drafting.session import DraftSession
 from drafting.stats import SpecStats
+from drafting.suffix import SuffixDrafter, SuffixModel
 
 log = logging.getLogger("mtp_runner.speculation")
 
@@ -47,54 +48,75 @@ class Speculation:
 
     def __init__(
         self,
-        head: MTPHead,
+        head: MTPHead | None,
         *,
         max_depth: int,
         fixed_depth: int | None = None,
         request_head: Callable[[MTPHead], Any] | None = None,
         forced_drafts: bool = True,
+        suffix: bool = True,
     ) -> None:
         self.head = head
-        self.cache = KVCache()
+        self.cache = KVCache() if head is not None else None
         self.depth = DepthController(max_depth=max_depth)
         self.fixed_depth = fixed_depth
         self.request_head = request_head
         self.forced_drafts = forced_drafts
+        # Drafting from the text already seen (drafting.suffix); None: the head alone.
+        self.suffix = SuffixModel() if suffix else None
+
+    @property
+    def sources(self) -> list[str]:
+        """The drafters in use, for the ``ready`` frame."""
+        return [name for name, on in (("head", self.head), ("suffix", self.suffix)) if on]
 
     def open(
         self, unembed: Callable[[mx.array], mx.array], cache: KVCache | None = None
     ) -> RequestSpeculation:
         """A request's session, opened before prefill (``unembed``: the target's output head;
         ``cache``: the draft cache of the request's cache slot, by default the model's own)."""
-        head = self.head if self.request_head is None else self.request_head(self.head)
-        draft = DraftSession(head, self.cache if cache is None else cache, unembed)
+        draft = None
+        if self.head is not None:
+            head = self.head if self.request_head is None else self.request_head(self.head)
+            draft = DraftSession(head, self.cache if cache is None else cache, unembed)
         return RequestSpeculation(self, draft)
 
     def status(self) -> dict:
         """Plain values for the ``status`` frame."""
-        return {"speculation_depth": self.depth.scheduled, "speculation": self.depth.state()}
+        state = self.depth.state()
+        if self.suffix is not None:
+            state["suffix"] = self.suffix.state()
+        return {"speculation_depth": self.depth.scheduled, "speculation": state}
 
 
 class RequestSpeculation:
     """One request's speculation; use as a context manager so it closes on every exit path."""
 
-    def __init__(self, owner: Speculation, draft: DraftSession) -> None:
+    def __init__(self, owner: Speculation, draft: DraftSession | None) -> None:
         self.owner = owner
-        self.draft = draft
+        self.draft = draft  # None: no head (the suffix drafter alone)
         self.stats = SpecStats()
         self.final: int | None = None  # the token after the last fed one, once known
-        self.on_commit = guarded(draft, "committed")  # for prefill and the plain decoder
+        # For prefill and the plain decoder: the head sees every committed forward.
+        self.on_commit = guarded(draft, "committed") if draft is not None else None
 
     def __enter__(self) -> RequestSpeculation:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
+        if self.draft is None:
+            return
         if kind is not None:
             self.draft.discard()  # the caches are being thrown away
             return
         if self.final is not None:
             guarded(self.draft, "settle")(self.final)
         guarded(self.draft, "close")()
+
+    def discard(self) -> None:
+        """The request failed: the draft cache is not trusted any more."""
+        if self.draft is not None:
+            self.draft.discard()
 
     def finish(self, outcome: Outcome) -> Outcome:
         """Remember how generation ended: closing completes the last pair with
@@ -114,22 +136,33 @@ class RequestSpeculation:
         speculate: bool = True,
         logprobs: LogprobRows | None = None,
         constraint=None,
+        prompt: Sequence[int] = (),
     ) -> RoundDriver:
         """The request's drafter for ``runner.decoder.DecodeLoop``: speculative rounds on the
         request's ``ledger`` (which holds its budget), parking whenever the depth is 0;
         ``speculate`` False parks for good (the draft cache still follows every committed
         forward). ``logprobs`` receives the target's rows of every round for the emitter to
         take. ``constraint`` (constrained output) masks the drafts and the verify rows and
-        follows every token the rounds feed."""
-        fixed = self.owner.fixed_depth
+        follows every token the rounds feed. ``prompt``: the request's prompt tokens, which
+        with the ledger's committed tokens are the text the suffix drafter looks in."""
+        owner = self.owner
+        fixed = owner.fixed_depth
         if fixed is not None:
             depth = FixedDepth(fixed if speculate else 0)
         else:
-            depth = self.owner.depth.for_request(speculative=speculate)
+            depth = owner.depth.for_request(speculative=speculate)
+        suffix = None
+        if owner.suffix is not None and speculate:
+            prompt = list(prompt)
+            suffix = SuffixDrafter(
+                owner.suffix, lambda: prompt + ledger.committed, fixed=fixed or None
+            )
         ops = MlxRoundOps(
-            model, caches, self.draft, sampler, logprobs, constraint, self.owner.forced_drafts
+            model, caches, self.draft, sampler, logprobs, constraint, owner.forced_drafts
         )
-        return RoundDriver(ops, emit, cancelled, depth=depth, stats=self.stats, ledger=ledger)
+        return RoundDriver(
+            ops, emit, cancelled, depth=depth, stats=self.stats, ledger=ledger, suffix=suffix
+        )
 
 
 def guarded(draft: DraftSession, method: str) -> Callable:

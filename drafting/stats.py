@@ -20,12 +20,21 @@ class SpecStats:
     accepted: int = 0  # drafts the verification accepted (before emission cuts the run)
     accepted_per_depth: list[int] = field(default_factory=list)
     final_depth: int = 0  # the depth scheduled for the round after the last one
+    # per drafter ("head", "suffix"): its rounds, drafted and accepted tokens
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def record_drafted(self, count: int) -> None:
+    def _source(self, source: str) -> dict[str, int]:
+        return self.sources.setdefault(source, {"rounds": 0, "drafted": 0, "accepted": 0})
+
+    def record_drafted(self, count: int, source: str = "head") -> None:
         self.drafted += count
+        self._source(source)["drafted"] += count
 
-    def record_round(self, accepted: int) -> None:
+    def record_round(self, accepted: int, source: str = "head") -> None:
         """One verified round that accepted ``accepted`` leading drafts."""
+        counts = self._source(source)
+        counts["rounds"] += 1
+        counts["accepted"] += accepted
         self.rounds += 1
         self.accepted += accepted
         if len(self.accepted_per_depth) <= accepted:
@@ -48,4 +57,5 @@ class SpecStats:
             "accepted": self.accepted,
             "accepted_per_depth": list(self.accepted_per_depth),
             "final_depth": self.final_depth,
+            "sources": {name: dict(counts) for name, counts in self.sources.items()},
         }

@@ -32,6 +32,8 @@ class Ready(msgspec.Struct, tag="ready", tag_field="type"):
     blas: str
     # The model's weights as held in memory (quantized ones as kept: no float copy), bytes.
     weights_bytes: int = 0
+    # The drafters speculation uses: "head" (the MTP head), "suffix" (text already seen).
+    draft_sources: list[str] = []
 
 
 class TopLogprob(msgspec.Struct):
@@ -58,12 +60,21 @@ class Token(msgspec.Struct, tag="token", tag_field="type", omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
 
 
+class SourceCounts(msgspec.Struct):
+    """One drafter's share of a completion's speculation."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
 class Speculation(msgspec.Struct):
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     accepted_per_depth: list[int] = []
     final_depth: int = 0
+    sources: dict[str, SourceCounts] = {}  # per drafter: "head", "suffix"
 
 
 class Done(msgspec.Struct, tag="done", tag_field="type"):

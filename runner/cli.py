@@ -57,6 +57,20 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+DRAFT_SOURCES = ("head", "suffix")
+
+
+def draft_sources(text: str) -> tuple[str, ...]:
+    """``head,suffix``: known drafter names, at least one, each once."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in DRAFT_SOURCES]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a comma-separated list of {', '.join(DRAFT_SOURCES)}, each at most once"
+        )
+    return names
+
+
 def draft_depth(text: str) -> int:
     """A draft depth: 0 up to ``MAX_DRAFT_DEPTH``, the deepest round the verify paths serve
     (argparse names the flag in front of the message)."""
@@ -84,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--draft", metavar="PATH", help="MTP draft head sidecar directory")
     p.add_argument("--no-draft", action="store_true", help="never speculate")
+    p.add_argument(
+        "--draft-sources",
+        type=draft_sources,
+        default=DRAFT_SOURCES,
+        metavar="LIST",
+        help="drafters to speculate with, comma-separated: head (the MTP head), suffix (text "
+        "already seen in the prompt and the answer) (default: head,suffix)",
+    )
     count = functools.partial(p.add_argument, metavar="N")  # an integer option
     count(
         "--max-draft",
@@ -216,6 +238,7 @@ def engine_factory(args: argparse.Namespace):
             use_draft=not args.no_draft,
             max_draft=args.max_draft,
             draft_depth=args.draft_depth,
+            draft_sources=args.draft_sources,
             cache_bytes=args.cache_bytes,
             prefix_cache=not args.no_prefix_cache,
             prefill_chunk=args.prefill_chunk,

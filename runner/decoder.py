@@ -292,6 +292,10 @@ class Drafter(Protocol):
         """One round at the current token ``x`` (emits it and whatever it accepts); raises
         ``drafting.rounds.RoundError`` when the request cannot go on."""
 
+    def warm_round(self, last: int) -> RoundOutcome | None:
+        """The first round, feeding the prompt's last token with drafts (None: no draft, or a
+        failure before anything was committed; the token is then fed plainly)."""
+
     def parked_round(self) -> None:
         """Account one plain step taken while parked (it wrote its token to the ledger)."""
 
@@ -358,11 +362,32 @@ class DecodeLoop:
         try:
             end = drafter.round(x)
         except RoundError as error:
-            if not error.reusable:
-                raise
-            # The caches hold exactly the committed prefix: end this request only.
-            log.error("speculative round failed: %s", error)
-            return Outcome("error", plain.fed, None, error=str(error))
+            return self._failed(error)
+        return self._ended(end)
+
+    def warm(self, last_prompt: int) -> tuple[bool, Outcome | None]:
+        """Start with a warm round (``Drafter.warm_round``): ``(False, None)`` when it did not
+        run (feed the last prompt token plainly, then set ``cur``); else ``(True, outcome)``,
+        outcome None while generation goes on from ``cur``."""
+        try:
+            end = self.drafter.warm_round(last_prompt)
+        except RoundError as error:
+            return True, self._failed(error)
+        if end is None:
+            return False, None
+        return True, self._ended(end)
+
+    def _failed(self, error: RoundError) -> Outcome:
+        if not error.reusable:
+            raise error
+        # The caches hold exactly the committed prefix: end this request only.
+        log.error("speculative round failed: %s", error)
+        return Outcome("error", self.plain.fed, None, error=str(error))
+
+    def _ended(self, end: RoundOutcome) -> Outcome | None:
+        """After a round: None while generation goes on (``cur`` its successor), else the
+        outcome."""
+        plain = self.plain
         if not end.finished:
             self.cur = plain.resume(end.next)
             return None

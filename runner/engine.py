@@ -59,6 +59,8 @@ class EngineOptions:
     use_draft: bool = True
     max_draft: int = 8
     draft_depth: int | None = None  # a fixed depth (benchmarks, tests); None = adaptive
+    # The drafters: "head" (the MTP head) and "suffix" (drafting.suffix: text already seen).
+    draft_sources: tuple[str, ...] = ("head", "suffix")
     cache_bytes: int | None = None  # None: default_cache_bytes()
     prefix_cache: bool = True
     prefill_chunk: int = 512
@@ -90,6 +92,7 @@ class EngineInfo:
     blas: str
     tuning: str  # what runner.device.tune applied
     weights_bytes: int = 0  # the target's and head's weights as held (runner.device)
+    draft_sources: tuple[str, ...] = ()  # the drafters in use
 
 
 class Engine:
@@ -130,12 +133,16 @@ class Engine:
             quantize_head=options.quantize_head,
         )
         self.speculation: Speculation | None = None
-        if head is not None:
+        # Drafting from the text already seen needs nothing from the model: every model whose
+        # decoding is feed-independent speculates with it, with or without a head.
+        suffix = "suffix" in options.draft_sources and options.use_draft and not self.feed_dependent
+        if head is not None or suffix:
             self.speculation = Speculation(
                 head,
                 max_depth=options.max_draft,
                 fixed_depth=options.draft_depth,
                 request_head=options.faults.request_head(),
+                suffix=suffix,
             )
         log.info("device tuning: %s", self.tuning.describe())
         self.parallel, self.parallel_detail = self._parallel(options.parallel)
@@ -152,6 +159,7 @@ class Engine:
             blas=blas.blas_in_use(),
             tuning=self.tuning.describe(),
             weights_bytes=device.weight_bytes(self.model, head),
+            draft_sources=tuple(self.speculation.sources) if self.speculation else (),
         )
 
     def _head(self) -> tuple[object | None, str]:
@@ -162,6 +170,8 @@ class Engine:
             return None, detail
         if not self.options.use_draft:
             return None, "no draft head (disabled by --no-draft)"
+        if "head" not in self.options.draft_sources:
+            return None, "no draft head (not in --draft-sources)"
         head, detail = load_draft_head(self.loaded, self.options.draft_path)
         if head is not None and head.config.feature_layers:  # rows carry the fused streams
             self.model.use_draft_features(tuple(head.config.feature_layers))

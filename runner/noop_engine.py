@@ -33,6 +33,7 @@ class NoopInfo:
     mtp_detail: str = "no-op model: no draft head"
     blas: str = "none"
     weights_bytes: int = 0
+    draft_sources: tuple[str, ...] = ()
 
 
 @dataclass

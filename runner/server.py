@@ -294,6 +294,7 @@ class Server:
                 info.mtp_detail,
                 info.blas,
                 info.weights_bytes,
+                list(info.draft_sources),
             )
         )
         threading.Thread(target=self._prepare_loop, daemon=True, name="prepare").start()

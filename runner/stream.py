@@ -182,33 +182,56 @@ class Stream:
         )
         self.unfed_prompt = self._last_prompt
 
-    def _started(self, cur: Sampled) -> None:
+    def _started(self, cur: Sampled, drafter=None) -> None:
         """The last prompt token was fed (by a forward of its own or a shared one): ``cur`` is
         the first in-flight sample."""
         self.unfed_prompt = None
         self.decoder.commit(cur)
-        drafter = None
-        if self.spec is not None:
-            drafter = self.spec.drafter(
-                self.ledger,
-                self.cancelled,
-                model=self.engine.model,
-                caches=self.slot.caches,
-                sampler=self.sampler,
-                emit=self._push,
-                speculate=self.req.speculative,
-                logprobs=self.rows,
-                constraint=self.req.constraint,
-            )
+        if drafter is None:
+            drafter = self._drafter()
         self.decode = DecodeLoop(self.plain, cur, self.cancelled, drafter, self.rows)
+
+    def _drafter(self):
+        """The request's drafter (``drafting.rounds.RoundDriver``), None without speculation."""
+        if self.spec is None:
+            return None
+        return self.spec.drafter(
+            self.ledger,
+            self.cancelled,
+            model=self.engine.model,
+            caches=self.slot.caches,
+            sampler=self.sampler,
+            emit=self._push,
+            speculate=self.req.speculative,
+            logprobs=self.rows,
+            constraint=self.req.constraint,
+            prompt=self.req.prompt,
+        )
+
+    def _warm_start(self) -> bool:
+        """Feed the last prompt token with the first drafts (a warm round) when a drafter has
+        any; False when it fed nothing (the caller feeds the token plainly)."""
+        if self.spec is None or not self.req.speculative or self.cancelled():
+            return False
+        loop = DecodeLoop(self.plain, None, self.cancelled, self._drafter(), self.rows)
+        ran, outcome = loop.warm(self.unfed_prompt)
+        if not ran:
+            self._started(self.decoder.start(self.unfed_prompt), loop.drafter)
+            return True
+        self.unfed_prompt = None
+        self.decode = loop
+        if outcome is not None:
+            self.end(outcome)
+        return True
 
     # ------------------------------------------------------------------ decode alone
     def step(self) -> bool:
         """One step of its own (the first feeds the last prompt token); True once the stream
         finished."""
         if self.unfed_prompt is not None:
-            self._started(self.decoder.start(self.unfed_prompt))
-            return False
+            if not self._warm_start():
+                self._started(self.decoder.start(self.unfed_prompt))
+            return self.finished
         outcome = self.decode.step()
         if outcome is not None:
             self.end(outcome)
@@ -285,7 +308,8 @@ class Stream:
         self.emit(pf.Token(id=self.req.id, content=content, tokens=list(ids), logprobs=logprobs))
 
     def _first_token(self) -> None:
-        self.first_token_ns = time.perf_counter_ns()
+        if self.first_token_ns is None:
+            self.first_token_ns = time.perf_counter_ns()
 
     def _position_of_emitted(self) -> int:
         return len(self.req.prompt) + len(self.ledger.emitted)
@@ -304,6 +328,7 @@ class Stream:
 
     def _push(self, token: int):
         """The round driver's emission: the entry from the verify row that decided it."""
+        self._first_token()  # a warm round emits the first token
         entry = None
         if self.rows is not None:
             taken = self.rows.take(self._position_of_emitted(), token)
@@ -324,7 +349,7 @@ class Stream:
             return
         self.emit(error_frame(self.req.id, exc))
         if self.spec is not None:
-            self.spec.draft.discard()
+            self.spec.discard()
             self.spec = None
         self.session = None
         self.slot.invalidate()
@@ -361,6 +386,12 @@ class Stream:
                 prompt_eval_ns=t_prefill - self.start_ns,
                 eval_tokens=self.ledger.used,
                 eval_ns=t_end - t_prefill,
-                speculation=pf.Speculation(**self.stats.as_dict()),
+                speculation=speculation_frame(self.stats.as_dict()),
             )
         )
+
+
+def speculation_frame(counts: dict) -> pf.Speculation:
+    """The ``done`` frame's speculation counters from ``SpecStats.as_dict``."""
+    sources = {name: pf.SourceCounts(**c) for name, c in counts.get("sources", {}).items()}
+    return pf.Speculation(**{**counts, "sources": sources})

@@ -317,6 +317,13 @@ class FakeOps:
             seq.append(token)
         return FakeProposal(drafts)
 
+    def fed_prompt(self, last: int) -> None:
+        self.log.append(("fed_prompt", last))
+
+    def fixed_proposal(self, drafts: Sequence[int]) -> FakeProposal:
+        self.log.append(("fixed_proposal", list(drafts)))
+        return FakeProposal(list(drafts))
+
     def verify_feed(self, current: int, proposal: FakeProposal | None) -> Verification:
         drafts = proposal.drafts if proposal is not None else []
         tokens = [current, *drafts]

@@ -248,6 +248,10 @@ def test_the_constraint_starts_after_the_reasoning_closes(engines, deep):
     prompt = "<|im_start|>user\nGive a person as JSON.<|im_end|>\n<|im_start|>assistant\n<think>\n"
     outputs = []
     for engine in (plain, speculative, deep):
+        # One cache history for the three: a prompt whose prefix was cached by other tests'
+        # requests prefills its rest in another split than a cold prompt, which may round
+        # differently; what is compared here is speculation against none.
+        engine.prefix.clear()
         for budget in (0, 5):
             text, done, ids = think_run(engine, prompt, budget)
             assert done.done_reason == "stop", text

@@ -98,11 +98,18 @@ def _write_gguf(path: str, tokenizer_model: str | None) -> str:
     return path
 
 
-def test_gguf_with_non_gpt2_tokenizer(tmp_path):
-    path = _write_gguf(str(tmp_path / "m.gguf"), "llama")
+def test_gguf_with_an_unsupported_tokenizer_model(tmp_path):
+    path = _write_gguf(str(tmp_path / "m.gguf"), "bert")
     with pytest.raises(errors.UnsupportedTokenizer) as info:
         load_model(path)
-    assert "'llama'" in str(info.value) and "m.gguf" in str(info.value)
+    assert "'bert'" in str(info.value) and "m.gguf" in str(info.value)
+
+
+def test_gguf_sentencepiece_vocabulary_without_scores_is_corrupt(tmp_path):
+    path = _write_gguf(str(tmp_path / "m.gguf"), "llama")  # tokens, no scores
+    with pytest.raises(errors.CorruptModelFile) as info:
+        load_model(path)
+    assert "scores" in str(info.value) and "m.gguf" in str(info.value)
 
 
 def test_gguf_unknown_architecture(tmp_path):

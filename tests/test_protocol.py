@@ -295,6 +295,7 @@ def test_frame_keys_hosts_rely_on():
         "accepted",
         "accepted_per_depth",
         "final_depth",
+        "sources",
     }
     assert json.loads(encode_frame(StatusFrame("s", 0, None, 0, 0, 0, 0)))["active"] is None
 
@@ -640,6 +641,24 @@ def test_cli_defaults_and_flags():
     assert args.row_layout is None
     assert build_parser().parse_args(["--row-layout"]).row_layout is True
     assert build_parser().parse_args(["--no-row-layout"]).row_layout is False
+
+
+def test_draft_sources_flag():
+    assert build_parser().parse_args([]).draft_sources == ("head", "suffix")
+    assert build_parser().parse_args(["--draft-sources", "suffix"]).draft_sources == ("suffix",)
+    assert build_parser().parse_args(["--draft-sources", "suffix,head"]).draft_sources == (
+        "suffix",
+        "head",
+    )
+    for bad in ("", "head,head", "ngram", "head,,lookup"):
+        out = subprocess.run(
+            [sys.executable, "-m", "runner", "--noop-model", "--draft-sources", bad],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 2 and "--draft-sources" in out.stderr, bad
+        assert "head, suffix" in out.stderr, bad
 
 
 def test_only_frames_reach_stdout_after_claiming_it():

@@ -6,11 +6,10 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <system_error>
-#include <thread>
 #include <vector>
 
 #include "mlx/primitives.h"
+#include "pool.h"
 
 namespace mtp_native {
 
@@ -94,23 +93,11 @@ inline Rows4 rows4(
   return {buf.data(), shape[1] * shape[2] * D, shape[2] * D, D};
 }
 
-// Runs part(0) .. part(parts - 1), part 0 on the calling thread and the others on threads of
-// their own; a part no thread could be started for runs on the calling thread.
+// Runs part(0) .. part(parts - 1), part 0 on the calling thread and the others on the
+// process's kept workers (pool.h).
 template <typename F>
 void run_parts(int64_t parts, F&& part) {
-  std::vector<std::thread> workers;
-  std::vector<int64_t> inline_parts;
-  if (parts > 1) workers.reserve(parts - 1);
-  for (int64_t t = 1; t < parts; ++t) {
-    try {
-      workers.emplace_back([&part, t] { part(t); });
-    } catch (const std::system_error&) {
-      inline_parts.push_back(t);
-    }
-  }
-  if (parts >= 1) part(0);
-  for (auto t : inline_parts) part(t);
-  for (auto& w : workers) w.join();
+  WorkerPool::instance().run(parts, part);
 }
 
 } // namespace mtp_native

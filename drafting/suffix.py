@@ -1,0 +1,361 @@
+"""Drafting from text already seen: a suffix index over the request's prompt and generated
+tokens, proposing the continuation of the longest earlier match of the last tokens.
+
+Agents copy: a rewritten function, a JSON object filled from a document, a quoted passage, a
+list repeated with one change. Where the text being written already occurred, the tokens that
+followed it then are a draft that costs no forward, and once its first token is accepted the
+rest usually is too. The round driver (``drafting.rounds``) asks this drafter each round and
+verifies its draft in the same feed a head's draft takes; acceptance is the target's own draw
+(``drafting.accept``), so which drafter proposed changes only how many forwards the output
+takes, never the output.
+
+**Index** (``SuffixIndex``). The request's tokens (prompt, then every committed token, synced
+from the ledger before each lookup) and a map from every pair of consecutive tokens to the
+positions that followed it, newest last, at most ``CANDIDATES`` per pair. A lookup takes the
+pair ending at the current token, extends each candidate backwards by direct comparison (at
+most ``MAX_MATCH`` tokens) and keeps the longest match, the newest on ties; its continuation is
+the draft (a continuation that runs into the current token repeats the period, as a loop in
+the text would). Where another candidate with as long a match continues differently, the
+draft stops there. Appending a token is one map update; a lookup costs at most
+``CANDIDATES * MAX_MATCH`` comparisons. Memory: a Python int per token and a list per distinct
+pair, about 150-250 bytes per token of distinct text; past ``MAX_INDEXED`` tokens the index
+restarts from the newest half, so it stays under ~30 MB per request.
+
+**Model** (``SuffixModel``, one per loaded model, across requests). Acceptance per
+match-length bucket (``BUCKETS``): the first draft's rate and the rate of each further draft
+given the one before, EWMAs (bias-corrected at first) from optimistic-enough priors that a
+long match gets tried; and the cost of verifying r rows relative to a plain step, a line
+fitted to the suffix rounds' timings (``cost_line``). The expected committed tokens of a k-token
+draft, ``1 + sum_i P1 c^(i-1)``, over the cost of k + 1 rows is the draft's rate; the driver
+takes it when it beats plain decoding and the head's rate at its chosen depth.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from drafting.depth import MAX_DRAFT_DEPTH as MAX_DRAFT  # the verify paths' ceiling
+
+CANDIDATES = 8  # newest positions kept per token pair
+MAX_MATCH = 64  # longest match looked for, in tokens
+MAX_INDEXED = 1 << 17  # tokens indexed per request before restarting from the newest half
+# Match-length buckets (lower bounds): a match of 2 tokens is weak evidence, 17 strong.
+BUCKETS = (2, 3, 5, 9, 17)
+# Priors: the first draft's acceptance per bucket and each further draft's given the one
+# before; each bucket's estimate replaces its prior after a few rounds.
+FIRST_PRIOR = (0.3, 0.45, 0.6, 0.7, 0.8)
+NEXT_PRIOR = 0.85
+# Until a bucket has this many further-draft verdicts its further drafts are assumed to pass at
+# NEXT_OPTIMISTIC when choosing a length: drafts of one token never teach the rate of a second,
+# so an estimate that starts low would keep every draft short.
+NEXT_TRUSTED = 10
+NEXT_OPTIMISTIC = 0.95
+ACCEPT_ALPHA = 0.1
+PLAIN_ALPHA = 0.1
+# Cost of r verify rows relative to one plain step: a line a + s (r - 1) fitted by weighted
+# least squares to the suffix rounds' timings, older ones fading by COST_DECAY per round, so
+# a round of any length moves the whole line (a table per row count would keep an early
+# outlier at a length it then never drafts). Two prior points on the line a = ROW_BASE,
+# s = ROW_SLOPE keep a weight of PRIOR_WEIGHT each, so rounds of one length leave the slope
+# near the prior instead of undetermined.
+ROW_BASE = 1.2  # a round is not pipelined as a plain step is: it pays its sync in full
+ROW_SLOPE = 0.4
+COST_DECAY = 0.97
+PRIOR_WEIGHT = 0.5
+PRIOR_ROWS = (2, 9)
+
+
+def bucket_of(match: int) -> int:
+    """The bucket of a match length (``BUCKETS``' lower bounds)."""
+    index = 0
+    for i, low in enumerate(BUCKETS):
+        if match >= low:
+            index = i
+    return index
+
+
+class SuffixIndex:
+    """One request's tokens and their pair index (module docstring)."""
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._after: dict[int, list[int]] = {}
+        self._base = 0  # tokens dropped from the front (restarts)
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return self._base + len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens (the prompt, then committed ones)."""
+        seq, after = self.tokens, self._after
+        for token in tokens:
+            seq.append(int(token))
+            n = len(seq)
+            if n >= 3:  # the pair ending at n - 2 is followed by position n - 1
+                key = (seq[n - 3] << 32) | seq[n - 2]
+                places = after.get(key)
+                if places is None:
+                    after[key] = [n - 1]
+                else:
+                    places.append(n - 1)
+                    if len(places) > CANDIDATES:
+                        del places[0]
+        if len(seq) > MAX_INDEXED:
+            keep = seq[-(MAX_INDEXED // 2) :]
+            self._base += len(seq) - len(keep)
+            self.tokens, self._after = [], {}
+            self.extend(keep)
+
+    def lookup(self, current: int, limit: int, n: int | None = None) -> tuple[list[int], int]:
+        """The draft after ``current`` (the token about to be fed: not indexed yet) and its
+        match length; ``([], 0)`` when the text has not been seen. ``n``: look up as if only
+        the first n tokens were indexed and ``current`` came next (n = len - 1, current =
+        the last token: what the index predicts for the token after it)."""
+        seq = self.tokens
+        n = len(seq) if n is None else n
+        if n < 2 or limit < 1:
+            return [], 0
+        places = self._after.get((seq[n - 1] << 32) | current)
+        if not places:
+            return [], 0
+        # seq + [current]: candidate p continues at seq[p]; its pair is seq[p-2], seq[p-1].
+        best, best_match, matches = -1, 0, []
+        for p in places:
+            if p > n:
+                continue
+            match = 2
+            while match < MAX_MATCH and p - 1 - match >= 0 and seq[p - 1 - match] == seq[n - match]:
+                match += 1
+            matches.append((match, p))
+            if match > best_match or (match == best_match and p > best):
+                best, best_match = p, match
+        if best < 0:
+            return [], 0
+        draft = self._continuation(best, current, limit, n)
+        for match, p in matches:  # a rival as long as the best one: draft what they share
+            if match == best_match and p != best and p <= n:
+                other = self._continuation(p, current, len(draft), n)
+                same = 0
+                while same < len(other) and other[same] == draft[same]:
+                    same += 1
+                draft = draft[: max(same, 1)]
+        return draft, best_match
+
+    def _continuation(self, p: int, current: int, limit: int, n: int) -> list[int]:
+        """Up to ``limit`` tokens from position p of seq[:n] + [current], repeating the
+        period (n + 1 - p tokens) past the end, as a loop in the text continues."""
+        seq = self.tokens
+        period = n + 1 - p
+        out: list[int] = []
+        for i in range(limit):
+            j = p + i
+            if j < n:
+                out.append(seq[j])
+            elif j == n:
+                out.append(current)
+            else:
+                out.append(out[i - period])
+        return out
+
+
+@dataclass(frozen=True)
+class SuffixDraft:
+    """A draft from the index: its tokens and the bucket of the match they follow."""
+
+    tokens: list[int]
+    bucket: int
+
+
+class SuffixModel:
+    """Acceptance per bucket and verify-row costs, shared by a model's requests (module
+    docstring). Thread-safe: ``status`` reads it from other threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._first = list(FIRST_PRIOR)
+        self._next = [NEXT_PRIOR] * len(BUCKETS)
+        self._first_seen = [0] * len(BUCKETS)
+        self._next_seen = [0] * len(BUCKETS)
+        # Decayed sums of the timed rounds: weight, x, x^2, y, x y (x = rows - 1, y = cost).
+        self._sums = [0.0] * 5
+        self._rounds_timed = 0
+        self._plain: float | None = None  # seconds per plain step
+
+    # -- acceptance -----------------------------------------------------------------------
+
+    def observe(self, bucket: int, judged: int, accepted: int) -> None:
+        """One verified suffix round: ``judged`` drafts had a verdict, ``accepted`` leading
+        ones passed."""
+        if judged < 1:
+            return
+        with self._lock:
+            self._first_seen[bucket] += 1
+            alpha = max(ACCEPT_ALPHA, 1.0 / (self._first_seen[bucket] + 1))
+            self._first[bucket] += alpha * ((accepted >= 1) - self._first[bucket])
+            for i in range(2, judged + 1):
+                if accepted < i - 1:
+                    break
+                self._next_seen[bucket] += 1
+                alpha = max(ACCEPT_ALPHA, 1.0 / (self._next_seen[bucket] + 1))
+                self._next[bucket] += alpha * ((accepted >= i) - self._next[bucket])
+
+    def expected(self, bucket: int, k: int) -> float:
+        """Expected committed tokens of a round drafting k tokens from ``bucket``."""
+        first, rest = self._first[bucket], self._next[bucket]
+        if self._next_seen[bucket] < NEXT_TRUSTED:
+            rest = max(rest, NEXT_OPTIMISTIC)
+        total, run = 1.0, first
+        for _ in range(k):
+            total += run
+            run *= rest
+        return total
+
+    # -- costs ----------------------------------------------------------------------------
+
+    def plain_step(self, seconds: float) -> None:
+        with self._lock:
+            if self._plain is None:
+                self._plain = seconds
+            else:
+                self._plain += PLAIN_ALPHA * (seconds - self._plain)
+
+    def verify_round(self, rows: int, seconds: float) -> None:
+        """A suffix round that fed ``rows`` rows took ``seconds`` (to the next round)."""
+        with self._lock:
+            if self._plain is None:
+                return
+            x, y = rows - 1.0, seconds / self._plain
+            self._sums = [COST_DECAY * s for s in self._sums]
+            for i, term in enumerate((1.0, x, x * x, y, x * y)):
+                self._sums[i] += term
+            self._rounds_timed += 1
+
+    def cost_line(self) -> tuple[float, float]:
+        """``(a, s)``: a round of r rows costs ``a + s (r - 1)`` plain steps."""
+        w, sx, sxx, sy, sxy = self._sums
+        for rows in PRIOR_ROWS:
+            x, y = rows - 1.0, ROW_BASE + ROW_SLOPE * (rows - 1.0)
+            w, sx, sxx = w + PRIOR_WEIGHT, sx + PRIOR_WEIGHT * x, sxx + PRIOR_WEIGHT * x * x
+            sy, sxy = sy + PRIOR_WEIGHT * y, sxy + PRIOR_WEIGHT * x * y
+        slope = (w * sxy - sx * sy) / (w * sxx - sx * sx)
+        slope = min(max(slope, 0.02), 4.0)
+        return max((sy - slope * sx) / w, 1.0), slope
+
+    def relative_cost(self, rows: int) -> float:
+        """Cost of verifying ``rows`` rows in plain steps (module docstring)."""
+        base, slope = self.cost_line()
+        return max(base + slope * (rows - 1), 1.0)
+
+    @property
+    def plain_seconds(self) -> float | None:
+        return self._plain
+
+    def best_length(self, bucket: int, available: int) -> tuple[int, float]:
+        """The draft length (at most ``available``) with the best rate, and that rate in
+        committed tokens per plain step's time."""
+        best, best_rate = 0, 1.0
+        for k in range(1, available + 1):
+            rate = self.expected(bucket, k) / self.relative_cost(k + 1)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best, best_rate
+
+    def state(self) -> dict:
+        """Plain values for the ``status`` frame."""
+        with self._lock:
+            return {
+                "first": [round(a, 4) for a in self._first],
+                "next": [round(a, 4) for a in self._next],
+                "rounds": list(self._first_seen),
+                "cost_line": [round(v, 3) for v in self.cost_line()],
+                "rounds_timed": self._rounds_timed,
+            }
+
+
+class SuffixDrafter:
+    """One request's suffix drafting: its index, kept level with ``tokens()`` (the prompt and
+    the committed tokens), the model's estimates, and the round clock that times its rounds
+    and the plain steps between them. ``fixed`` drafts that many tokens (at most) whenever the
+    index has a draft, instead of the rate's choice (tests, benchmarks)."""
+
+    def __init__(
+        self,
+        model: SuffixModel,
+        tokens: Callable[[], Sequence[int]],
+        *,
+        fixed: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.model = model
+        self._tokens = tokens
+        self.index = SuffixIndex()
+        self.fixed = fixed
+        self._clock = clock
+        self._open: tuple[str, int, float] | None = None  # (kind, rows, start) of the last
+
+    def sync(self) -> None:
+        """Index the tokens committed since the last call."""
+        tokens = self._tokens()
+        if len(tokens) > len(self.index):
+            self.index.extend(tokens[len(self.index) :])
+
+    def expects_copy(self) -> bool:
+        """Whether the token after the last committed one (read later) is likely to have a
+        draft worth a round: the index's prediction for it, one token longer, is."""
+        self.sync()
+        index = self.index
+        n = len(index.tokens)
+        if n < 3:
+            return False
+        tokens, match = index.lookup(index.tokens[-1], MAX_DRAFT + 1, n=n - 1)
+        if len(tokens) < 2:
+            return False
+        if self.fixed is not None:
+            return self.fixed > 0
+        return self.model.best_length(bucket_of(match), len(tokens) - 1)[0] > 0
+
+    def draft(
+        self, current: int, limit: int, *, indexed: bool = False
+    ) -> tuple[SuffixDraft | None, float]:
+        """The draft to verify after ``current`` (at most ``limit`` tokens) and its rate, or
+        ``(None, 1.0)`` when the index has none worth its rows. ``indexed``: ``current`` is
+        the index's last token already (the prompt's last, in a warm round)."""
+        self.sync()
+        n = len(self.index.tokens) - 1 if indexed else None
+        tokens, match = self.index.lookup(current, limit, n=n)
+        if not tokens:
+            return None, 1.0
+        bucket = bucket_of(match)
+        if self.fixed is not None:
+            k = min(self.fixed, len(tokens))
+            return (SuffixDraft(tokens[:k], bucket), float("inf")) if k else (None, 1.0)
+        k, rate = self.model.best_length(bucket, len(tokens))
+        if k == 0:
+            return None, 1.0
+        return SuffixDraft(tokens[:k], bucket), rate
+
+    # -- the round clock ---------------------------------------------------------------------
+
+    def started(self, kind: str, rows: int = 1) -> None:
+        """Mark the clock: a round (``kind`` "suffix", "head" or "target") starts now, or a
+        plain step ("plain") just ended (the decode loop accounts it after it ran). So the
+        time between two plain marks is a plain step, and the time from a suffix round's
+        mark to the next round's its cost; from a round to a plain mark it includes the
+        plain step that refills the pipeline, and is not kept."""
+        now = self._clock()
+        if self._open is not None:
+            before, before_rows, start = self._open
+            seconds = now - start
+            if before == "plain" and kind == "plain":
+                self.model.plain_step(seconds)
+            elif before == "suffix" and kind != "plain":
+                self.model.verify_round(before_rows, seconds)
+        self._open = (kind, rows, now)
+
+    def pause(self) -> None:
+        """Time not spent decoding follows (a shared forward, the request's end)."""
+        self._open = None
