@@ -21,7 +21,7 @@ import numpy as np
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture, UnsupportedTokenizer
 from runner import chat_template, gguf_families, gguf_hybrid
 from runner.chat_template import ChatTemplate
-from runner.gguf_tensors import FORMATS, GGUFQuantized, _reader, _tensor
+from runner.gguf_tensors import FORMATS, GGUFQuantized, open_gguf, read_tensor
 from runner.gguf_tokenizer import spm_hf_tokenizer
 from runner.models.config import refuse
 from runner.tokenizer import Tokenizer
@@ -36,14 +36,7 @@ SUPPORTED_ARCHS = LLAMA_ARCHS + gguf_families.ARCHS + gguf_hybrid.ARCHS
 # list): a chat model's end of turn is often not the file's eos_token_id.
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>")
 
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
+_LAYER_NAMES = gguf_families.ATTENTION_NAMES | {
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -96,17 +89,7 @@ def read_gguf(path: str) -> tuple[dict[str, Tensor | list[GGUFQuantized]], dict]
     them, except stacked quantized experts (``*_exps``, ``[E, out, in]``): a list of E lazy
     ``GGUFQuantized`` matrices, views of the one block array (an expert's rows are whole
     blocks), which ``runner.gguf_families`` dequantizes."""
-    try:
-        reader = _reader(path)
-        if reader.byte_order != "I":
-            raise ValueError("byte order opposite to this machine's")
-        metadata = {
-            name: field.contents()
-            for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")
-        }
-    except Exception as exc:  # the reader's own checks raise anything from ValueError up
-        raise CorruptModelFile(f"cannot read GGUF ({exc})", path=path) from None
+    reader, metadata = open_gguf(path)
     tensors: dict = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
@@ -115,7 +98,7 @@ def read_gguf(path: str) -> tuple[dict[str, Tensor | list[GGUFQuantized]], dict]
             blocks = t.data.reshape(experts, rows, -1)
             tensors[t.name] = [GGUFQuantized(kind, (rows, cols), blocks[e]) for e in range(experts)]
         else:
-            tensors[t.name] = _tensor(t, path)
+            tensors[t.name] = read_tensor(t, path)
     return tensors, metadata
 
 

@@ -113,7 +113,8 @@ _KEYS = {
 _LARGE_BLOCKS = {"gemma2": 46, "gemma3": 62}
 _SOFTMAX_GATING, _SIGMOID_GATING = 1, 2  # llama.cpp's expert_gating_func values
 
-_GEMMA_LAYER = {
+# The attention block's tensors, named alike in every family that has separate q, k and v.
+ATTENTION_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -121,6 +122,8 @@ _GEMMA_LAYER = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
+}
+_GEMMA_LAYER = ATTENTION_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
@@ -136,14 +139,7 @@ _PHI3_LAYER = {
     "ffn_up": "mlp.gate_up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_QWEN3MOE_LAYER = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
+_QWEN3MOE_LAYER = ATTENTION_NAMES | {
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.switch_mlp.gate_proj",

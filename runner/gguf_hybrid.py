@@ -62,6 +62,8 @@ import mlx.core as mx
 import numpy as np
 
 from protocol.errors import CorruptModelFile
+from runner.gguf_families import ATTENTION_NAMES
+from runner.gguf_families import COMMON_KEYS as COMMON_FAMILY_KEYS
 from runner.gguf_tensors import GGUFQuantized
 from runner.models.config import malformed, refuse
 from runner.quantized import affine_dense
@@ -69,21 +71,9 @@ from runner.quantized import affine_dense
 log = logging.getLogger("mtp_runner.gguf")
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next")
-COMMON_KEYS = frozenset(
+COMMON_KEYS = COMMON_FAMILY_KEYS | frozenset(
     {
-        "context_length",
-        "embedding_length",
-        "block_count",
-        "feed_forward_length",
-        "attention.head_count",
-        "attention.head_count_kv",
-        "attention.layer_norm_rms_epsilon",
-        "attention.key_length",
-        "attention.value_length",
-        "rope.freq_base",
-        "rope.dimension_count",
         "rope.dimension_sections",
-        "vocab_size",
         "ssm.conv_kernel",
         "ssm.state_size",
         "ssm.group_count",
@@ -111,15 +101,8 @@ _KEYS = {
 _SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
 _DEFAULT_INTERVAL = 4  # llama.cpp's full_attention_interval when the key is absent
 
-_LAYER = {
-    "attn_norm": "input_layernorm",
+_LAYER = ATTENTION_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "linear_attn.in_proj_qkv",
     "attn_gate": "linear_attn.in_proj_z",
     "ssm_beta": "linear_attn.in_proj_b",

@@ -181,7 +181,7 @@ def dense(t: QuantizedTensor) -> mx.array:
     return mx.array(affine_dense(*t.unpack()))
 
 
-def _tensor(t, path: str) -> mx.array | GGUFQuantized:
+def read_tensor(t, path: str) -> mx.array | GGUFQuantized:
     """One ``gguf.ReaderTensor`` as an ``mx.array`` (dense types, in numpy order: GGUF lists
     the row length first) or a lazy :class:`GGUFQuantized`; any other type is refused."""
     kind = t.tensor_type.name
@@ -223,11 +223,10 @@ def _reader(path: str):
     return Reader(path)
 
 
-def read_gguf_file(path: str) -> tuple[dict[str, mx.array | GGUFQuantized], dict[str, object]]:
-    """``(tensors, metadata)`` of a GGUF file: dense tensors as ``mx.array``, quantized ones
-    as lazy :class:`GGUFQuantized`, metadata as plain Python under its GGUF keys. An
-    unreadable file is ``CorruptModelFile``; a tensor type not in ``SUPPORTED_TYPES`` is
-    ``UnsupportedTensorType``, naming the tensor."""
+def open_gguf(path: str):
+    """``(reader, metadata)``: the file's ``gguf.GGUFReader`` and its metadata as plain Python
+    (str, int, float, bool, lists of them) under its GGUF keys; an unreadable file is
+    ``CorruptModelFile``."""
     try:
         reader = _reader(path)
         if reader.byte_order != "I":
@@ -240,5 +239,14 @@ def read_gguf_file(path: str) -> tuple[dict[str, mx.array | GGUFQuantized], dict
         }
     except Exception as exc:  # the reader's own checks raise anything from ValueError up
         raise CorruptModelFile(f"cannot read GGUF ({exc})", path=path) from None
-    tensors = {t.name: _tensor(t, path) for t in reader.tensors}
+    return reader, metadata
+
+
+def read_gguf_file(path: str) -> tuple[dict[str, mx.array | GGUFQuantized], dict[str, object]]:
+    """``(tensors, metadata)`` of a GGUF file: dense tensors as ``mx.array``, quantized ones
+    as lazy :class:`GGUFQuantized`, metadata as plain Python under its GGUF keys. An
+    unreadable file is ``CorruptModelFile``; a tensor type not in ``SUPPORTED_TYPES`` is
+    ``UnsupportedTensorType``, naming the tensor."""
+    reader, metadata = open_gguf(path)
+    tensors = {t.name: read_tensor(t, path) for t in reader.tensors}
     return tensors, metadata
