@@ -153,9 +153,8 @@ class RequestSpeculation:
             depth = owner.depth.for_request(speculative=speculate)
         suffix = None
         if owner.suffix is not None and speculate:
-            prompt = list(prompt)
             suffix = SuffixDrafter(
-                owner.suffix, lambda: prompt + ledger.committed, fixed=fixed or None
+                owner.suffix, list(prompt), lambda: ledger.committed, fixed=fixed or None
             )
         ops = MlxRoundOps(
             model, caches, self.draft, sampler, logprobs, constraint, owner.forced_drafts

@@ -277,31 +277,38 @@ class SuffixModel:
 
 
 class SuffixDrafter:
-    """One request's suffix drafting: its index, kept level with ``tokens()`` (the prompt and
-    the committed tokens), the model's estimates, and the round clock that times its rounds
-    and the plain steps between them. ``fixed`` drafts that many tokens (at most) whenever the
-    index has a draft, instead of the rate's choice (tests, benchmarks)."""
+    """One request's suffix drafting: its index, kept level with ``prompt`` and then
+    ``committed()`` (the generated tokens the caches hold, which only grow), the model's
+    estimates, and the round clock that times its rounds and the plain steps between them.
+    ``fixed`` drafts that many tokens (at most) whenever the index has a draft, instead of
+    the rate's choice (tests, benchmarks)."""
 
     def __init__(
         self,
         model: SuffixModel,
-        tokens: Callable[[], Sequence[int]],
+        prompt: Sequence[int],
+        committed: Callable[[], Sequence[int]],
         *,
         fixed: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.model = model
-        self._tokens = tokens
+        self._prompt = prompt
+        self._committed = committed
         self.index = SuffixIndex()
         self.fixed = fixed
         self._clock = clock
         self._open: tuple[str, int, float] | None = None  # (kind, rows, start) of the last
 
     def sync(self) -> None:
-        """Index the tokens committed since the last call."""
-        tokens = self._tokens()
-        if len(tokens) > len(self.index):
-            self.index.extend(tokens[len(self.index) :])
+        """Index the tokens committed since the last call (the prompt first)."""
+        done, prompt = len(self.index), self._prompt
+        if done < len(prompt):
+            self.index.extend(prompt[done:])
+            done = len(prompt)
+        committed = self._committed()
+        if len(committed) > done - len(prompt):
+            self.index.extend(committed[done - len(prompt) :])
 
     def expects_copy(self) -> bool:
         """Whether the token after the last committed one (read later) is likely to have a

@@ -11,7 +11,7 @@ import pytest
 
 import drafting.suffix as suffix_module
 from drafting.depth import FixedDepth
-from drafting.rounds import RoundDriver
+from drafting.rounds import RoundDriver, RoundError
 from drafting.suffix import (
     BUCKETS,
     CANDIDATES,
@@ -123,7 +123,7 @@ def test_the_index_restarts_from_its_newest_half(monkeypatch):
     for current in range(50):
         assert index.lookup(current, 5) == fresh.lookup(current, 5)
     # The drafter's sync goes on from the count of tokens seen, not the ones kept.
-    drafter = SuffixDrafter(SuffixModel(), lambda: seq + [1, 2])
+    drafter = SuffixDrafter(SuffixModel(), seq, lambda: [1, 2])
     drafter.index = index
     drafter.sync()
     assert index.tokens[-2:] == [1, 2] and len(index) == 202
@@ -184,7 +184,7 @@ def test_costs_are_a_line_fitted_to_the_rounds_timed():
 def test_the_round_clock_times_plain_steps_and_suffix_rounds():
     now = [0.0]
     model = SuffixModel()
-    drafter = SuffixDrafter(model, lambda: [], clock=lambda: now[0])
+    drafter = SuffixDrafter(model, [], lambda: [], clock=lambda: now[0])
     # A "plain" mark comes as a plain step ends, a round's as the round starts.
     for kind, rows, seconds in [
         ("plain", 1, 0.01),
@@ -219,18 +219,18 @@ def copying_target(pattern: list[int], noise: int):
     return token
 
 
-def drive(*, head: bool, suffix: bool, depth: int, budget: int, target, sampler=None, probs=None):
+def drive(
+    *, head: bool, suffix: bool, depth: int, budget: int, target, sampler=None, probs=None, first=X
+):
     ops = FakeOps(PROMPT, vocab=V, head=head, target=target, sampler=sampler, **(probs or {}))
     emitter = ScriptedEmitter(eos=())
     source = None
     if suffix:
-        source = SuffixDrafter(
-            SuffixModel(), lambda: PROMPT + driver.committed, fixed=depth or None
-        )
+        source = SuffixDrafter(SuffixModel(), PROMPT, lambda: driver.committed, fixed=depth or None)
     driver = RoundDriver(
         ops, emitter.push, lambda: False, depth=FixedDepth(depth), budget=budget, suffix=source
     )
-    end = run_rounds(driver, X)
+    end = run_rounds(driver, first)
     return ops, driver, end
 
 
@@ -271,6 +271,38 @@ def test_greedy_rounds_with_suffix_drafts_equal_plain_greedy(head):
                 check_state(ops, driver)
 
 
+@pytest.mark.parametrize("kind", ["host", "host-bare", "target"])
+def test_a_suffix_round_whose_verify_fails_leaves_the_caches_at_a_named_state(kind):
+    """The fault rows of a verify feed hold for suffix drafts: a host failure commits x and
+    goes on from the salvage (or ends the request, caches reusable); a target failure ends it
+    with the caches not reusable."""
+    target = copying_target([X, 1, 9, 4, 11, 5, 7], noise=0)
+    ops = FakeOps(PROMPT, vocab=V, head=True, target=target)
+    emitter = ScriptedEmitter(eos=())
+    drafter = SuffixDrafter(SuffixModel(), PROMPT, lambda: driver.committed, fixed=4)
+    driver = RoundDriver(
+        ops, emitter.push, lambda: False, depth=FixedDepth(4), budget=20, suffix=drafter
+    )
+    ops.arm("verify_feed", 0, kind)
+    assert driver.plan().suffix  # the prompt's text continues after its 1, 9: 4 is drafted from
+    if kind == "target":
+        with pytest.raises(RoundError) as raised:
+            driver.round(4)
+        assert not raised.value.reusable
+        return
+    if kind == "host-bare":
+        with pytest.raises(RoundError) as raised:
+            driver.round(4)
+        assert raised.value.reusable and driver.committed == [4]
+        return
+    end = driver.round(4)
+    assert ops.events("fixed_proposal") and driver.committed == [4] and not ops.head_alive
+    end = run_rounds(driver, end.next)  # the rest of the request, suffix rounds included
+    plain_ops, plain, _ = drive(head=True, suffix=False, depth=0, budget=20, target=target, first=4)
+    assert driver.emitted == plain.emitted and ops.fed == plain_ops.fed
+    check_state(ops, driver)
+
+
 def test_seeded_rounds_with_suffix_and_head_drafts_equal_plain_sampling():
     """Random drafts from both drafters (the head's own distribution, and the text's
     continuations of a sampled target) against target-only rounds with the same seed."""
@@ -305,7 +337,9 @@ COPY = (
 
 @pytest.fixture(scope="module")
 def default_engine(default_model):
-    return Engine(EngineOptions(model_path=default_model))
+    # Fixed lengths: whether the adaptive choice drafts depends on timings, which a loaded
+    # machine skews; a fixed length drafts whenever the text has a continuation.
+    return Engine(EngineOptions(model_path=default_model, draft_depth=4))
 
 
 @pytest.mark.parametrize(
@@ -365,7 +399,7 @@ def warm_and_plain(*, head: bool, suffix: bool, depth: int, budget: int, target,
         emitter = ScriptedEmitter(eos=())
         source = None
         if suffix and drafting:
-            source = SuffixDrafter(SuffixModel(), lambda: PROMPT + driver.committed, fixed=depth)
+            source = SuffixDrafter(SuffixModel(), PROMPT, lambda: driver.committed, fixed=depth)
         driver = RoundDriver(
             ops,
             emitter.push,
@@ -416,7 +450,7 @@ def test_no_draft_means_no_warm_round_and_nothing_changed():
     *before, last = PROMPT
     ops = FakeOps(before, vocab=V, head=False)
     emitter = ScriptedEmitter(eos=())
-    drafter = SuffixDrafter(SuffixModel(), lambda: [*before, 15, last], fixed=3)  # unseen text
+    drafter = SuffixDrafter(SuffixModel(), [*before, 15, last], lambda: [], fixed=3)  # unseen text
     driver = RoundDriver(ops, emitter.push, lambda: False, depth=FixedDepth(3), suffix=drafter)
     assert driver.warm_round(last) is None
     assert ops.fed == before and ops.ops_log() == [] and emitter.pushed == []
@@ -448,6 +482,7 @@ def test_the_cli_reports_its_drafters_and_each_drafters_share(default_model):
         "options": {"temperature": 0, "num_predict": 40, "repeat_penalty": 1.0},
     }
     argv = [sys.executable, "-m", "runner", "--model", default_model, "--draft-sources", "suffix"]
+    argv += ["--draft-depth", "4"]  # drafts whenever the text has a continuation
     out = subprocess.run(
         argv,
         cwd=root,
