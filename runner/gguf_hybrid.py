@@ -336,6 +336,8 @@ def map_hybrid_tensors(arch: str, weights: dict, config: dict) -> dict:
     dropped = []
     for name, w in weights.items():
         stem, _, suffix = name.rpartition(".")
+        if suffix not in ("weight", "bias"):  # the converter writes ssm_a bare: blk.N.ssm_a
+            stem, suffix = name, ""
         if not stem.startswith("blk."):
             out[f"{_TOP[stem]}.{suffix}" if stem in _TOP else name] = w
             continue

@@ -218,13 +218,27 @@ def value_perm(arch: str, part: str) -> tuple[np.ndarray | None, int]:
     return None, 0
 
 
+# The MTP layer's own tensors, after its block's.
+NEXTN = [
+    ("nextn.eh_proj", "eh_proj.weight", (D, 2 * D), "Q4_K"),
+    ("nextn.enorm", "enorm.weight", (D,), None),
+    ("nextn.hnorm", "hnorm.weight", (D,), None),
+    ("nextn.shared_head_norm", "shared_head.norm.weight", (D,), None),
+]
+
+
 def write_pair(
     folder, case: str, meta_overrides: dict | None = None, mtp: int = 1
 ) -> tuple[str, str]:
     """(Hugging Face directory, GGUF file) of one random checkpoint, the GGUF with ``mtp``
     MTP blocks the directory does not have (the runner ignores them)."""
     arch, fused = CASES[case]
-    plans = [(i, layer_plan(arch, i, fused)) for i in range(LAYERS + mtp)]
+    plans = [(i, layer_plan(arch, i, fused)) for i in range(LAYERS)]
+    # An MTP block as the converter writes it: a full-attention block and the MTP layer's own
+    # tensors (what llama.cpp checks when it loads the file).
+    plans += [
+        (i, layer_plan(arch, INTERVAL - 1, fused) + NEXTN) for i in range(LAYERS, LAYERS + mtp)
+    ]
     hf, tensors = make_tensors(arch, plans, np.random.default_rng(12))
     hf = {k: v for k, v in _interleave_qkvz(hf).items() if not _is_mtp(k, LAYERS, mtp)}
     meta = gguf_meta(arch, mtp) | (meta_overrides or {})
@@ -245,7 +259,9 @@ def make_tensors(arch: str, plans: list[tuple[int, Plan]], rng: np.random.Genera
     for i, plan in [(None, top), *plans]:
         for part, name, shape, kind in plan:
             stem = part if i is None else f"blk.{i}.{part}"
-            stem = stem if stem.endswith(".bias") else stem + ".weight"
+            # The converter writes A_log's tensor bare (blk.N.ssm_a), every other with a suffix.
+            if not stem.endswith(".bias") and part != "ssm_a":
+                stem += ".weight"
             hf_name = name if i is None else f"model.layers.{i}.{name}"
             perm, axis = value_perm(arch, part)
             if kind is None:
@@ -582,13 +598,8 @@ def glm_layer_plan(i: int) -> Plan:
         ("ffn_up_exps", "mlp.experts.*.up_proj.weight", (EXPERTS, EXPERT_FF, D), "Q4_K"),
         ("ffn_down_exps", "mlp.experts.*.down_proj.weight", (EXPERTS, D, EXPERT_FF), "Q6_K"),
     ]
-    if i == GLM_LAYERS:  # the MTP layer's own tensors
-        plan += [
-            ("nextn.eh_proj", "eh_proj.weight", (D, 2 * D), "Q4_K"),
-            ("nextn.enorm", "enorm.weight", (D,), None),
-            ("nextn.hnorm", "hnorm.weight", (D,), None),
-            ("nextn.shared_head_norm", "shared_head.norm.weight", (D,), None),
-        ]
+    if i == GLM_LAYERS:
+        plan += NEXTN
     return plan
 
 
