@@ -42,6 +42,9 @@ from drafting.depth import MAX_DRAFT_DEPTH as MAX_DRAFT  # the verify paths' cei
 CANDIDATES = 8  # newest positions kept per token pair
 MAX_MATCH = 64  # longest match looked for, in tokens
 MAX_INDEXED = 1 << 17  # tokens indexed per request before restarting from the newest half
+# The draft lengths the rate chooses among: a few verify shapes (each row count is a shape the
+# compiled blocks trace and the allocator caches buffers for), dense where drafts are short.
+LENGTHS = (1, 2, 3, 4, 6, 8, 11, 15)
 # Match-length buckets (lower bounds): a match of 2 tokens is weak evidence, 17 strong.
 BUCKETS = (2, 3, 5, 9, 17)
 # Priors: the first draft's acceptance per bucket and each further draft's given the one
@@ -258,7 +261,9 @@ class SuffixModel:
         """The draft length (at most ``available``) with the best rate, and that rate in
         committed tokens per plain step's time."""
         best, best_rate = 0, 1.0
-        for k in range(1, available + 1):
+        for k in LENGTHS:
+            if k > available:
+                break
             rate = self.expected(bucket, k) / self.relative_cost(k + 1)
             if rate > best_rate:
                 best, best_rate = k, rate
