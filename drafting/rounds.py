@@ -299,6 +299,13 @@ class RoundDriver:
         finally:
             self.stats.final_depth = self._depth.depth
 
+    def pause(self) -> None:
+        """Time not spent in this request's rounds follows (shared forwards): no cost sample of
+        either drafter may span it."""
+        self._depth.round_elsewhere()
+        if self.suffix is not None:
+            self.suffix.pause()
+
     def parked_round(self) -> None:
         """Account one step of the plain decoder while parked (it wrote its token to the shared
         ledger): a measured depth-0 round."""

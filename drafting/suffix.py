@@ -67,6 +67,8 @@ PLAIN_ALPHA = 0.1
 ROW_BASE = 1.2  # a round is not pipelined as a plain step is: it pays its sync in full
 ROW_SLOPE = 0.4
 COST_DECAY = 0.97
+PLAIN_DECAY = 0.995  # per plain step: round costs fade toward the prior (half-life ~140)
+SAMPLE_CLAMP = 1.0  # one timing sample moves an estimate as if within 2x of it
 PRIOR_WEIGHT = 0.5
 PRIOR_ROWS = (2, 9)
 
@@ -223,8 +225,12 @@ class SuffixModel:
         with self._lock:
             if self._plain is None:
                 self._plain = seconds
-            else:
-                self._plain += PLAIN_ALPHA * (seconds - self._plain)
+            else:  # one stall moves the estimate by at most SAMPLE_CLAMP of itself
+                step = min(max(seconds / self._plain - 1.0, -SAMPLE_CLAMP), SAMPLE_CLAMP)
+                self._plain *= 1.0 + PLAIN_ALPHA * step
+            # The round costs fade toward the prior line while no suffix round is timed, so
+            # estimates that stopped all drafting (a slow spell) do not stop it for good.
+            self._sums = [PLAIN_DECAY * s for s in self._sums]
 
     def verify_round(self, rows: int, seconds: float) -> None:
         """A suffix round that fed ``rows`` rows took ``seconds`` (to the next round)."""
@@ -232,6 +238,10 @@ class SuffixModel:
             if self._plain is None:
                 return
             x, y = rows - 1.0, seconds / self._plain
+            # A sample far from the line (a host stall, time spent elsewhere) counts as at
+            # most a factor SAMPLE_CLAMP + 1 either way of the line's prediction.
+            predicted = self.relative_cost(rows)
+            y = min(max(y, predicted / (1.0 + SAMPLE_CLAMP)), predicted * (1.0 + SAMPLE_CLAMP))
             self._sums = [COST_DECAY * s for s in self._sums]
             for i, term in enumerate((1.0, x, x * x, y, x * y)):
                 self._sums[i] += term

@@ -239,10 +239,11 @@ class Stream:
         return False
 
     def alone_again(self) -> None:
-        """The stream decodes alone after shared forwards: the depth controller's round clock
-        saw shared forwards, which are not a round's cost."""
+        """The stream decodes alone after shared forwards: the drafters' round clocks saw
+        shared forwards, which are not a round's cost."""
         if self.speculates:
             self.spec.owner.depth.begin_request()
+            self.decode.drafter.pause()
 
     # ------------------------------------------------------------------ rows of a shared forward
     def row(self) -> Row | None:
@@ -252,6 +253,8 @@ class Stream:
         if self.unfed_prompt is not None:
             last = mx.array([self.unfed_prompt], dtype=mx.int32)
             return Row(*self.decoder.row_feed(last, append=False), token=None)
+        if self.speculates:  # shared forwards are no round's cost
+            self.decode.drafter.pause()
         token = self._emit_current()
         if token is None:
             return None

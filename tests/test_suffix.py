@@ -500,3 +500,33 @@ def test_the_cli_reports_its_drafters_and_each_drafters_share(default_model):
     sources = done["speculation"]["sources"]
     assert set(sources) == {"suffix"} and sources["suffix"]["accepted"] > 0
     assert sources["suffix"]["accepted"] == done["speculation"]["accepted"]
+
+
+def test_time_spent_elsewhere_cannot_stop_suffix_drafting_for_good():
+    """A span that covered shared forwards (or a stall) is clamped, a pause keeps it out of
+    the clock, and round costs fade back toward the prior over plain steps."""
+    now = [0.0]
+    model = SuffixModel()
+    bucket = len(BUCKETS) - 1
+    for _ in range(30):
+        model.observe(bucket, 8, 8)
+    drafter = SuffixDrafter(model, [], lambda: [], clock=lambda: now[0])
+    for _ in range(5):  # plain steps of 10 ms
+        drafter.started("plain")
+        now[0] += 0.010
+    for _ in range(5):  # suffix rounds of 9 rows at 3 plain steps each
+        drafter.started("suffix", 9)
+        now[0] += 0.030
+    healthy = model.best_length(bucket, 15)[0]
+    assert healthy >= 4
+    drafter.started("suffix", 9)
+    drafter.pause()  # shared forwards follow: 3 s that are no round's cost
+    now[0] += 3.0
+    drafter.started("suffix", 9)
+    assert model.best_length(bucket, 15)[0] == healthy
+    now[0] += 3.0  # an unpaused stall: clamped to twice the line's cost
+    drafter.started("suffix", 9)
+    assert model.best_length(bucket, 15)[0] > 0
+    for _ in range(200):  # and any damage fades over plain steps
+        model.plain_step(0.010)
+    assert model.best_length(bucket, 15)[0] >= healthy - 2
