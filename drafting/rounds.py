@@ -241,14 +241,15 @@ class RoundDriver:
         k = want if remaining is None else min(want, remaining - 1)
         return RoundPlan(k, "speculate")
 
-    def _suffix_draft(self, x: int, plan: RoundPlan):
+    def _suffix_draft(self, x: int, plan: RoundPlan, *, indexed: bool = False):
         """The suffix drafter's draft after x when it beats the head's round (and plain
-        decoding: the drafter offers only drafts that do), else None."""
+        decoding: the drafter offers only drafts that do), else None. ``indexed``: x is the
+        index's last token already (the prompt's last, in a warm round)."""
         if not plan.suffix:
             return None
         remaining = self.remaining()
         limit = MAX_DRAFT_DEPTH if remaining is None else min(MAX_DRAFT_DEPTH, remaining - 1)
-        draft, rate = self.suffix.draft(x, limit)
+        draft, rate = self.suffix.draft(x, limit, indexed=indexed)
         if draft is None or plan.depth == 0:
             return draft
         head_rate = self._depth.head_rate(plan.depth)
@@ -256,9 +257,11 @@ class RoundDriver:
 
     # -- entry points -------------------------------------------------------------------------
 
-    def round(self, x: int) -> RoundEnd:
-        """One round at the current token ``x``. Raises RoundError when the request must end."""
-        plan = self.plan()
+    def round(self, x: int, plan: RoundPlan | None = None) -> RoundEnd:
+        """One round at the current token ``x``; ``plan``: what :meth:`plan` said just before
+        (the decode loop asks it to choose between a plain step and a round), else asked here.
+        Raises RoundError when the request must end."""
+        plan = plan if plan is not None else self.plan()
         draft = self._suffix_draft(x, plan)
         if draft is not None:
             self._depth.round_elsewhere()
@@ -270,7 +273,7 @@ class RoundDriver:
         try:
             return self._round(x, plan, draft)
         finally:
-            self.stats.final_depth = self._depth.depth
+            self._note_depth()
 
     def warm_round(self, last: int) -> RoundEnd | None:
         """WARM: the request's first round feeds the prompt's last token with the first drafts
@@ -281,14 +284,9 @@ class RoundDriver:
         remaining = self.remaining()
         if not self._depth.enabled or (remaining is not None and remaining < 2):
             return None
-        plan = self._head_plan()
-        draft = None
-        if self.suffix is not None:
-            limit = MAX_DRAFT_DEPTH if remaining is None else min(MAX_DRAFT_DEPTH, remaining - 1)
-            draft, rate = self.suffix.draft(last, limit, indexed=True)
-            head_rate = self._depth.head_rate(plan.depth) if plan.depth else None
-            if draft is not None and head_rate is not None and rate <= head_rate:
-                draft = None
+        head = self._head_plan()
+        plan = RoundPlan(head.depth, head.why, suffix=self.suffix is not None)
+        draft = self._suffix_draft(last, plan, indexed=True)
         if draft is None and plan.depth == 0:
             return None
         self._depth.round_elsewhere()  # the first round's time is not a steady round's
@@ -297,7 +295,7 @@ class RoundDriver:
         try:
             return self._speculate(last, k, draft, warm=True)
         finally:
-            self.stats.final_depth = self._depth.depth
+            self._note_depth()
 
     def pause(self) -> None:
         """Time not spent in this request's rounds follows (shared forwards): no cost sample of
@@ -314,7 +312,11 @@ class RoundDriver:
             self.suffix.started("plain")
         self.stats.record_parked()
         self._depth.round_finished(0, 0)
-        self.stats.final_depth = self._depth.depth
+        self._note_depth()
+
+    def _note_depth(self) -> None:
+        """The head's depth for the next round, for the statistics (0 without a live head)."""
+        self.stats.final_depth = self._depth.depth if self.ops.head_alive else 0
 
     # -- the round at x -----------------------------------------------------------------------
 

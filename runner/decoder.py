@@ -288,9 +288,10 @@ class Drafter(Protocol):
     def plan(self) -> DraftPlan:
         """The next round's plan; ``parked`` means a plain step instead of a round."""
 
-    def round(self, x: int) -> RoundOutcome:
-        """One round at the current token ``x`` (emits it and whatever it accepts); raises
-        ``drafting.rounds.RoundError`` when the request cannot go on."""
+    def round(self, x: int, plan: DraftPlan | None = None) -> RoundOutcome:
+        """One round at the current token ``x`` (emits it and whatever it accepts) as ``plan``
+        (the plan just asked) says; raises ``drafting.rounds.RoundError`` when the request
+        cannot go on."""
 
     def warm_round(self, last: int) -> RoundOutcome | None:
         """The first round, feeding the prompt's last token with drafts (None: no draft, or a
@@ -352,7 +353,8 @@ class DecodeLoop:
         if (outcome := self.cancel_check()) is not None:
             return outcome
         plain, drafter = self.plain, self.drafter
-        if drafter is None or drafter.plan().parked:
+        plan = drafter.plan() if drafter is not None else None
+        if plan is None or plan.parked:
             step = plain.step(self.cur)  # one pipelined plain step, a depth-0 round
             if drafter is not None:
                 drafter.parked_round()
@@ -360,7 +362,7 @@ class DecodeLoop:
         x = plain.read(self.cur)
         self._hand_over_logprobs(x)
         try:
-            end = drafter.round(x)
+            end = drafter.round(x, plan)  # reading x changed nothing the plan depends on
         except RoundError as error:
             return self._failed(error)
         return self._ended(end)

@@ -29,6 +29,7 @@ from runner.gguf_tokenizer import spm_merges
 from runner.loader import load_model
 from runner.models import gemma
 from tests.test_gguf_models import greedy, logits, quant_blocks, tuned
+from tests.test_gguf_tensors import write_gguf
 
 T = gguf.GGMLQuantizationType
 SPACE = "\u2581"
@@ -376,25 +377,7 @@ def write_pair(folder, arch: str, meta_overrides: dict | None = None) -> tuple[s
 
 def write_family_gguf(path, arch: str, tensors: dict, meta: dict) -> str:
     """``tests.test_gguf_tensors.write_gguf`` for an ``arch`` other than llama."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in meta.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, list(value))
-    for name, (array, raw_dtype) in tensors.items():
-        writer.add_tensor(name, array, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+    return write_gguf(path, tensors, arch, **meta)
 
 
 @pytest.fixture(scope="module")

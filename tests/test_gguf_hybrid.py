@@ -129,6 +129,21 @@ def gguf_meta(arch: str, mtp: int) -> dict:
 Plan = list[tuple[str, str, tuple[int, ...], str | None]]
 
 
+# A dense feed-forward block's tensors.
+DENSE_FFN = [
+    ("ffn_gate", "mlp.gate_proj.weight", (FF, D), "Q4_K"),
+    ("ffn_up", "mlp.up_proj.weight", (FF, D), "Q4_K"),
+    ("ffn_down", "mlp.down_proj.weight", (D, FF), "Q6_K"),
+]
+# The MTP layer's own tensors, after its block's.
+NEXTN = [
+    ("nextn.eh_proj", "eh_proj.weight", (D, 2 * D), "Q4_K"),
+    ("nextn.enorm", "enorm.weight", (D,), None),
+    ("nextn.hnorm", "hnorm.weight", (D,), None),
+    ("nextn.shared_head_norm", "shared_head.norm.weight", (D,), None),
+]
+
+
 def layer_plan(arch: str, i: int, fused: bool) -> Plan:
     kv = KV_HEADS * HEAD_DIM
     plan: Plan = [
@@ -172,11 +187,7 @@ def layer_plan(arch: str, i: int, fused: bool) -> Plan:
             ("attn_k_norm", "self_attn.k_norm.weight", (HEAD_DIM,), None),
         ]
     if arch == "qwen35":
-        return plan + [
-            ("ffn_gate", "mlp.gate_proj.weight", (FF, D), "Q4_K"),
-            ("ffn_up", "mlp.up_proj.weight", (FF, D), "Q4_K"),
-            ("ffn_down", "mlp.down_proj.weight", (D, FF), "Q6_K"),
-        ]
+        return plan + DENSE_FFN
     plan += [
         ("ffn_gate_inp", "mlp.gate.weight", (EXPERTS, D), None),
         ("ffn_gate_inp_shexp", "mlp.shared_expert_gate.weight", (1, D), None),
@@ -216,15 +227,6 @@ def value_perm(arch: str, part: str) -> tuple[np.ndarray | None, int]:
     if part == "ssm_out":
         return tiled(VALUES, V_DIM), 1
     return None, 0
-
-
-# The MTP layer's own tensors, after its block's.
-NEXTN = [
-    ("nextn.eh_proj", "eh_proj.weight", (D, 2 * D), "Q4_K"),
-    ("nextn.enorm", "enorm.weight", (D,), None),
-    ("nextn.hnorm", "hnorm.weight", (D,), None),
-    ("nextn.shared_head_norm", "shared_head.norm.weight", (D,), None),
-]
 
 
 def write_pair(
@@ -583,11 +585,7 @@ def glm_layer_plan(i: int) -> Plan:
         ("attn_k_norm", "self_attn.k_norm.weight", (HEAD_DIM,), None),
     ]
     if i == 0:
-        return plan + [
-            ("ffn_gate", "mlp.gate_proj.weight", (FF, D), "Q4_K"),
-            ("ffn_up", "mlp.up_proj.weight", (FF, D), "Q4_K"),
-            ("ffn_down", "mlp.down_proj.weight", (D, FF), "Q6_K"),
-        ]
+        return plan + DENSE_FFN
     plan += [
         ("ffn_gate_inp", "mlp.gate.weight", (EXPERTS, D), None),
         ("exp_probs_b.bias", "mlp.gate.e_score_correction_bias", (EXPERTS,), None),

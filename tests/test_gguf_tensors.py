@@ -47,9 +47,12 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def write_gguf(path, tensors: dict[str, tuple[np.ndarray, T | None]], **meta) -> str:
-    """A GGUF file of ``tensors`` (numpy array, raw GGML type or None) and metadata."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+def write_gguf(
+    path, tensors: dict[str, tuple[np.ndarray, T | None]], arch: str = "llama", **meta
+) -> str:
+    """A GGUF file of ``arch`` with ``tensors`` (numpy array, raw GGML type or None) and
+    metadata."""
+    writer = gguf.GGUFWriter(str(path), arch)
     for key, value in meta.items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
@@ -60,7 +63,7 @@ def write_gguf(path, tensors: dict[str, tuple[np.ndarray, T | None]], **meta) ->
         elif isinstance(value, str):
             writer.add_string(key, value)
         else:
-            writer.add_array(key, value)
+            writer.add_array(key, list(value))
     for name, (array, raw_dtype) in tensors.items():
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
     writer.write_header_to_file()

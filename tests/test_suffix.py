@@ -372,6 +372,7 @@ def test_a_model_without_a_head_speculates_with_the_suffix_drafter(checkpoint_fa
         plain = complete(engine, tokens=prompt, speculative=False, num_predict=40, **sampling)
         spec = complete(engine, tokens=prompt, num_predict=40, **sampling)
         assert spec[0] == plain[0], sampling
+        assert spec[2].speculation.final_depth == 0  # no head, no head depth
         if depth is not None and sampling["temperature"] == 0.0:
             assert spec[2].speculation.sources["suffix"].rounds > 0, spec[2].speculation
 
