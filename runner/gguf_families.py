@@ -258,13 +258,22 @@ def _phi3(config: dict, get: Get, head_dim: int, rotated, path: str) -> None:
         config["rope_scaling"] = {"rope_type": "longrope", "attention_factor": float(attn_factor)}
 
 
-def _qwen3moe(config: dict, get: Get, path: str) -> None:
+def _required_int(arch: str, get: Get, key: str, path: str) -> int:
+    """A hyper-parameter the family cannot do without; a missing or non-integer one is a
+    corrupt file, named."""
+    value = get(key)
     try:
-        experts = int(get("expert_count"))
-        used = int(get("expert_used_count"))
-        width = int(get("expert_feed_forward_length"))
+        return int(value)
     except (TypeError, ValueError):
-        raise CorruptModelFile("missing or bad qwen3moe expert keys", path=path) from None
+        raise CorruptModelFile(
+            f"missing or bad hyper-parameter {arch}.{key}: {value!r}", path=path
+        ) from None
+
+
+def _qwen3moe(config: dict, get: Get, path: str) -> None:
+    experts = _required_int("qwen3moe", get, "expert_count", path)
+    used = _required_int("qwen3moe", get, "expert_used_count", path)
+    width = _required_int("qwen3moe", get, "expert_feed_forward_length", path)
     shared = get("expert_shared_count")
     if shared:
         raise refuse("qwen3moe.expert_shared_count", shared, "qwen3_moe has no shared expert", path)
@@ -287,12 +296,9 @@ def _glm4moe(config: dict, get: Get, head_dim: int, rotated, path: str) -> None:
     if not isinstance(mtp, int) or not 0 <= mtp < blocks:
         raise malformed(f"{arch}.nextn_predict_layers", f"{mtp!r} of {blocks} blocks", path)
     config["num_hidden_layers"] = blocks - mtp  # the MTP layer is counted in block_count
-    try:
-        config["n_routed_experts"] = int(get("expert_count"))
-        config["num_experts_per_tok"] = int(get("expert_used_count"))
-        config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
-    except (TypeError, ValueError):
-        raise CorruptModelFile("missing or bad glm4moe expert keys", path=path) from None
+    config["n_routed_experts"] = _required_int(arch, get, "expert_count", path)
+    config["num_experts_per_tok"] = _required_int(arch, get, "expert_used_count", path)
+    config["moe_intermediate_size"] = _required_int(arch, get, "expert_feed_forward_length", path)
     gating = get("expert_gating_func")
     if gating is not None and int(gating) != _SIGMOID_GATING:
         raise refuse(f"{arch}.expert_gating_func", gating, "glm4_moe routes by sigmoid", path)

@@ -555,3 +555,11 @@ def test_qwen35_split_keeps_combining_marks_and_glm4_has_no_bos():
     assert glm.bos_id is None and not glm.add_bos
     qwen = runner_gguf.gguf_tokenizer(gpt2_meta("qwen35"), "t.gguf")
     assert qwen.bos_id == 256 and qwen.add_bos
+
+
+def test_a_bad_required_key_is_a_corrupt_file_naming_it(tmp_path):
+    arch = "qwen3moe"
+    _, path = write_pair(tmp_path, arch, {f"{arch}.expert_used_count": "two"})
+    with pytest.raises(errors.CorruptModelFile) as info:
+        load_model(path)
+    assert f"{arch}.expert_used_count" in str(info.value) and path in str(info.value)
