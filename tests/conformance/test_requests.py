@@ -29,8 +29,13 @@ def completion(request_id: str, prompt: str = PROMPT, **fields) -> dict:
 
 
 def long_completion(request_id: str) -> dict:
-    """Runs until cancelled or the context is full: seconds even on the tiny checkpoint."""
-    return completion(request_id, "Once upon a time", options={"num_predict": 100000})
+    """Runs until cancelled or the context is full: seconds even on the tiny checkpoint.
+
+    Without speculation: a random checkpoint's greedy text loops, and drafts copied from the
+    loop fill the whole context in a few rounds, before a test has cancelled it.
+    """
+    request = completion(request_id, "Once upon a time", options={"num_predict": 100000})
+    return {**request, "speculative": False}
 
 
 async def cancel_and_finish(runner, request_id: str) -> dict:
@@ -141,8 +146,13 @@ async def test_cancel_of_a_queued_completion_sends_its_done_at_once(shared_runne
     assert done["prompt_tokens"] == 0 and done["eval_tokens"] == 0
     # The running completions were not disturbed by the queued one's cancel.
     assert shared_runner.proc.returncode is None
+    # Every cancel goes out before any done is read: reading one completion's thousands of
+    # token frames takes seconds, long enough for the others to fill the context.
     for rid in running:
-        assert (await cancel_and_finish(shared_runner, rid))["done_reason"] == "cancelled"
+        await shared_runner.send({"type": "cancel", "id": rid})
+    for rid in running:
+        _, done = await shared_runner.completion(rid)
+        assert done["done_reason"] == "cancelled"
 
 
 async def becomes_active(runner, request_id: str, seconds: float = 3.0) -> bool:
