@@ -90,6 +90,12 @@ class BaseCache(ABC):
     """The cache rewinds only to positions whose state it kept (``rewind_points``); ``keep``
     names them before a feed."""
 
+    layout: object | None = None
+    """The position layout of the request the cache serves now (``runner.images``: a prompt
+    with images), which every forward over the cache reads for its rows' RoPE positions and
+    embeddings; None: row ``i`` sits at position ``i``. Set for a request's life by its
+    stream, on every cache of its slot."""
+
     @property
     @abstractmethod
     def state(self) -> list[mx.array]:

@@ -94,10 +94,13 @@ class CacheSession:
         points: list[int],
         boundaries: Sequence[int] = (),
         slot: _Slot | None = None,
+        keys: list[int] | None = None,
     ) -> None:
         self._owner = owner
         self._slot = slot
         self.prompt = prompt
+        # What the trie keys the prompt by: its ids, or with images each image row's key.
+        self.keys = prompt if keys is None else keys
         self.cached = cached  # prompt tokens restored from the cache
         self.remaining = prompt[cached:]  # still to evaluate; the last one seeds decoding
         self._points = points
@@ -195,8 +198,14 @@ class PrefixCache:
             slot.live = [self.trie.root]
 
     # ------------------------------------------------------------------ begin
-    def begin(self, tokens: Sequence[int], slot: int = 0) -> CacheSession:
+    def begin(
+        self, tokens: Sequence[int], slot: int = 0, keys: Sequence[int] | None = None
+    ) -> CacheSession:
         """Restore the longest cached prefix of ``tokens``; at least one token is left to run.
+
+        ``keys`` (as long as ``tokens``) replaces the ids as the trie sees them: a row whose
+        state depends on more than its id (an image's row: its features) is keyed by what it
+        depends on, a value outside the vocabulary (``runner.images.image_key``).
 
         With sliding-window caches the restore point is the deepest one at or below the match
         where every cache can resume (a full cache anywhere; a windowed one where it still
@@ -207,12 +216,15 @@ class PrefixCache:
         prompt = list(map(int, tokens))
         if not prompt:
             raise ValueError("cannot begin a cache session for an empty prompt")
+        keyed = prompt if keys is None else list(map(int, keys))
+        if len(keyed) != len(prompt):
+            raise ValueError(f"{len(keyed)} keys for a prompt of {len(prompt)} tokens")
         at = self.slots[slot]
         if at.open is not None:
             at.open.closed = True
         self._level(at)
         if self.enabled:
-            path, matched = self.trie.match(trie_keys(prompt, self.pair_keys))
+            path, matched = self.trie.match(trie_keys(keyed, self.pair_keys))
             cached = self._switch(at, path, min(matched, len(prompt) - 1))
             resume = self._resume_points(at, len(prompt), cached)
             points = self._points(len(prompt), cached, resume)
@@ -222,7 +234,7 @@ class PrefixCache:
                 c.rewind(0)
             at.live = [self.trie.root]
             cached, points, resume = 0, [], []
-        at.open = CacheSession(self, prompt, cached, points, resume, slot=at)
+        at.open = CacheSession(self, prompt, cached, points, resume, slot=at, keys=keyed)
         return at.open
 
     @staticmethod
@@ -353,7 +365,7 @@ class PrefixCache:
     def _check_and_index(self, at: _Slot, session: CacheSession) -> None:
         offsets = [c.offset for c in at.caches]
         low = min(offsets, default=0)
-        stored = session.prompt + session.recorded
+        stored = session.keys + session.recorded
         at.live = [n for n in at.live if n.end <= low]
         if offsets and max(offsets) != low:
             raise CacheDesyncError(f"cache slots rest at different offsets: {sorted(set(offsets))}")

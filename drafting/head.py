@@ -127,10 +127,15 @@ class MTPHead(nn.Module):
         """Run the head over ``tokens`` ``[B, L]`` paired with target hiddens ``[B, L, D]``.
 
         Writes L entries into ``cache`` at its offset; returns the normed outputs ``[B, L, D]``.
+        A request with images (the cache's ``layout``) embeds an image's pad row as its
+        feature row: the pair at slot S reads row S + 1, as the target embedded it.
         """
         if mask is None and tokens.shape[1] > 1:
             mask = "causal"
-        x = self.layers[0](self.input(tokens, hidden), mask, cache)
+        embedded = self._embed(tokens)
+        if cache.layout is not None:
+            embedded = cache.layout.overlay(embedded, cache.offset + 1, "draft")
+        x = self.layers[0](self.input(tokens, hidden, embedded), mask, cache)
         return self.norm(x)
 
     @property
@@ -138,16 +143,19 @@ class MTPHead(nn.Module):
         """The width of the target rows the head reads: ``D`` times the streams it fuses."""
         return self.config.hidden_size * (len(self.config.feature_layers) + 1)
 
-    def input(self, tokens: mx.array, hidden: mx.array) -> mx.array:
+    def input(
+        self, tokens: mx.array, hidden: mx.array, embedded: mx.array | None = None
+    ) -> mx.array:
         """The block's input ``fc(concat(e, h))``. ``hidden`` is a target row (the fused
         streams for a fused-feature head) or, in a chained draft step, the head's own output
-        ``[..., D]``, which takes the place of the fused streams."""
+        ``[..., D]``, which takes the place of the fused streams; ``embedded``, the tokens'
+        embeddings when the caller has them (image rows), else ``embed(tokens)``."""
         width = hidden.shape[-1]
         if width not in (self.config.hidden_size, self.feature_width):
             raise ValueError(f"rows of width {width}; the head reads {self.feature_width}")
         if width != self.config.hidden_size:
             hidden = self.fuse(hidden)
-        e = self.pre_fc_norm_embedding(self._embed(tokens))
+        e = self.pre_fc_norm_embedding(self._embed(tokens) if embedded is None else embedded)
         h = self.pre_fc_norm_hidden(hidden)
         return self.fc(mx.concatenate([h, e] if self.config.hidden_first else [e, h], axis=-1))
 

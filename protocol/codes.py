@@ -59,4 +59,5 @@ DONE_REASONS = ("stop", "length", "cancelled", "error")
 MAX_LINE_BYTES = 16 * 1024 * 1024
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_IMAGES = 32  # per completion, over all its messages
 MAX_ID_CHARS = 256

@@ -34,6 +34,8 @@ class Ready(msgspec.Struct, tag="ready", tag_field="type"):
     weights_bytes: int = 0
     # The drafters speculation uses: "head" (the MTP head), "suffix" (text already seen).
     draft_sources: list[str] = []
+    # Whether completions may carry `images` (the model has a vision tower).
+    images: bool = False
 
 
 class TopLogprob(msgspec.Struct):
@@ -127,6 +129,8 @@ class StatusFrame(msgspec.Struct, tag="status", tag_field="type"):
     active_ids: list[str] = []
     # The model's and head's weights as held (as in ``ready``), bytes.
     weights_bytes: int = 0
+    # Image pixels and features held by running completions (released once embedded), bytes.
+    image_bytes: int = 0
 
 
 Frame = Union[Progress, Ready, Token, Done, Error, TokensFrame, TextFrame, StatusFrame]  # noqa: UP007

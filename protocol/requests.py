@@ -10,7 +10,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
-from protocol.codes import MAX_ID_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from protocol.codes import MAX_ID_CHARS, MAX_IMAGES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 INT32_MAX = 2**31 - 1
 
@@ -60,9 +60,20 @@ def check_messages(messages: list[Message] | None, tools: list | None) -> None:
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise ValueError(f"messages[{i}].content: expected a string, a list or null")
+        check_images(message.get("images"), f"messages[{i}].images")
     for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict):
             raise ValueError(f"tools[{i}]: expected an object")
+
+
+def check_images(images: object, where: str) -> None:
+    """None, or a list of at most ``MAX_IMAGES`` base64 strings."""
+    if images is None:
+        return
+    if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
+        raise ValueError(f"{where}: expected a list of base64-encoded images")
+    if len(images) > MAX_IMAGES:
+        raise ValueError(f"{where}: {len(images)} images, at most {MAX_IMAGES} per request")
 
 
 class ChatFields(msgspec.Struct, kw_only=True):
@@ -98,9 +109,15 @@ class Completion(ChatFields, tag="completion", tag_field="type"):
     think_budget: Count | None = None
     # "json" (any JSON object) or a JSON Schema object: the output is constrained to it.
     format: str | dict[str, Any] | None = None
+    # Base64-encoded PNG, JPEG, WebP or GIF bytes, placed in `prompt` by `[img-N]` tags
+    # (N from 0); with `messages`, each message carries its own `images`.
+    images: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.check_chat(("prompt", self.prompt), ("tokens", self.tokens))
+        check_images(self.images, "images")
+        if self.images is not None and self.prompt is None:
+            raise ValueError("images: only with prompt (messages carry their own images)")
         if isinstance(self.format, str) and self.format != "json":
             raise ValueError('format: expected "json" or a JSON Schema object')
         if self.options is None:

@@ -33,9 +33,10 @@ class CacheSlot:
     def all(self) -> list:
         return [*self.caches] + ([self.draft] if self.draft is not None else [])
 
-    def begin(self, prompt: Sequence[int]) -> CacheSession:
-        """Restore the longest cached prefix of ``prompt`` into this slot."""
-        return self.prefix.begin(prompt, self.index)
+    def begin(self, prompt: Sequence[int], keys: Sequence[int] | None = None) -> CacheSession:
+        """Restore the longest cached prefix of ``prompt`` (keyed by ``keys``, see
+        ``PrefixCache.begin``) into this slot."""
+        return self.prefix.begin(prompt, self.index, keys)
 
     def close(self, session: CacheSession, outcome: Outcome) -> None:
         """Hand the prefix cache what the request left in the caches: the generated tokens

@@ -8,15 +8,37 @@ templates use: ``raise_exception``, a ``tojson`` that does not escape HTML, ``st
 ``namespace`` (refusing underscore names) and the special tokens as strings (``bos_token``,
 ``eos_token``, ...). The rendered text already holds the template's BOS, so it is encoded
 without adding one.
+
+Message keys whose value is null are dropped before rendering, as transformers drops them:
+OpenAI-style hosts send ``"content": null`` on a tool-call turn and ``"tool_calls": null`` or
+``"name": null`` on plain ones, and templates test such keys with ``is defined`` or ``in``, so a
+null would reach ``length``, ``+`` or ``{{ }}`` (an error, or a literal ``None``). Only a
+message's own keys are dropped; nulls inside tool calls or content parts are data.
+
+A template is compiled at its first render, never at load: one that does not compile, or that
+fails while rendering (an undefined name, a division by zero, runaway recursion, output past
+``MAX_RENDERED_CHARS``), is a :class:`TemplateError` naming the template and the exception, as
+is one that refuses the messages with ``raise_exception``. The model loads and serves prompts
+and token ids either way.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+
+log = logging.getLogger("mtp_runner.chat_template")
+
+# The most text one render may produce: four times the longest request line the protocol
+# takes by default (16 MiB), room for a template that repeats the tools or a system message;
+# past it the template is looping, not formatting.
+MAX_RENDERED_CHARS = 64 * 1024 * 1024
+# The largest integer ``**`` computes (in bits): beyond it one expression runs for minutes.
+_MAX_POWER_BITS = 1 << 16
 
 # Names a message's reasoning may come under: templates read reasoning_content, gpt-oss ones
 # thinking (as transformers aliases them).
@@ -66,28 +88,84 @@ class ChatTemplate:
         tools: list | None = None,
         add_generation_prompt: bool = True,
         template_kwargs: dict | None = None,
+        max_chars: int = MAX_RENDERED_CHARS,
     ) -> str:
         """The prompt text for ``messages`` (as transformers' ``apply_chat_template`` with
-        ``tokenize=False``); raises :class:`TemplateError` with the template's own message."""
-        import jinja2
-
+        ``tokenize=False``); raises :class:`TemplateError` with the template's own message
+        when it refuses them, or naming the exception when it cannot render them."""
         name = self.pick(tools)
-        if name not in self._compiled:
-            self._compiled[name] = _environment().from_string(self.templates[name])
-        chat = [_aliased(dict(m)) for m in messages]
+        compiled = self._compile(name)
+        chat = [_aliased(_without_nulls(m, i)) for i, m in enumerate(messages)]
         kwargs = {**self.special_tokens, **(template_kwargs or {})}
+        pieces = compiled.generate(
+            messages=chat,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+        # Rendered piece by piece so that a template looping over its output is stopped at
+        # max_chars rather than when memory runs out; the pieces (often a few characters
+        # each) are joined as they come, so holding them costs about their text.
+        text, pending, size = [], [], 0
         try:
-            return self._compiled[name].render(
-                messages=chat,
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
-        except jinja2.TemplateError as exc:
-            raise TemplateError(str(exc) or type(exc).__name__) from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-            raise TemplateError(f"the template failed on these messages ({exc})") from None
+            for piece in pieces:
+                size += len(piece)
+                if size > max_chars:
+                    raise self._failure(name, f"rendered more than {max_chars} characters")
+                pending.append(piece)
+                if len(pending) == 4096:
+                    text.append("".join(pending))
+                    pending.clear()
+        except TemplateError:  # the template's own raise_exception, or the cap above
+            raise
+        except Exception as exc:  # whatever the template's code raised
+            raise self._failure(name, "failed on them", exc) from None
+        finally:
+            pieces.close()
+        return "".join(text) + "".join(pending)
+
+    def _compile(self, name: str):
+        """The compiled template ``name``; one that does not compile raises the same message
+        at every render (logged once, at the first)."""
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            try:
+                compiled = _environment().from_string(self.templates[name])
+            except Exception as exc:  # a syntax error, nesting too deep, ...
+                compiled = str(self._failure(name, "does not compile", exc))
+            self._compiled[name] = compiled
+        if isinstance(compiled, str):  # a fresh error each time: no traceback piling up
+            raise TemplateError(compiled)
+        return compiled
+
+    def _named(self, name: str) -> str:
+        return self.source if name == "default" else f"{self.source} template {name!r}"
+
+    def _failure(self, name: str, what: str, exc: BaseException | None = None) -> TemplateError:
+        """A template that fails (rather than refuses) is the checkpoint's fault, not the
+        host's: one log line for the operator, no traceback, and the error for the request."""
+        message = f"{self._named(name)} {what}"
+        if exc is not None:
+            message += f" ({_describe(exc)})"
+        log.warning("chat template %s", message)
+        return TemplateError(message)
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: first line of the message`` and the template line where Jinja knows it."""
+    lines = str(exc).splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    lineno = getattr(exc, "lineno", None)
+    return f"{text}, line {lineno}" if isinstance(lineno, int) else text
+
+
+def _without_nulls(message: object, index: int) -> dict:
+    """The message without its null-valued keys (transformers' normalization before it
+    renders; a template handles a missing key, where a null crashes it or prints ``None``)."""
+    if not isinstance(message, dict):
+        raise TemplateError(f"messages[{index}]: expected an object")
+    return {key: value for key, value in message.items() if value is not None}
 
 
 def _aliased(message: dict) -> dict:
@@ -109,7 +187,23 @@ def _environment():
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(
+    class Environment(ImmutableSandboxedEnvironment):
+        """Refuses ``*`` and ``**`` whose result alone would be huge (``'x' * 10**10``): one
+        expression that would take the memory or the time of the process. Intercepted
+        operators are also never folded at compile time, so compiling cannot hang on one."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                _check_repeat(left, right)
+                _check_repeat(right, left)
+            elif _is_int(left) and _is_int(right) and right > 0 and abs(left) > 1:
+                if left.bit_length() * right > _MAX_POWER_BITS:
+                    raise OverflowError(f"{left} ** {right} is too large for a chat template")
+            return super().call_binop(context, operator, left, right)
+
+    env = Environment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _generation_extension()],
@@ -125,13 +219,26 @@ def _environment():
     return env
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_repeat(sequence: object, times: object) -> None:
+    if isinstance(sequence, (str, list, tuple)) and _is_int(times):
+        if len(sequence) * times > MAX_RENDERED_CHARS:
+            raise OverflowError(
+                f"a {type(sequence).__name__} of {len(sequence)} repeated {times} times is "
+                "too large for a chat template"
+            )
+
+
 # --- the helpers Hugging Face templates call (transformers' own, as it defines them)
 
 
 def _raise_exception(message):
-    import jinja2.exceptions
-
-    raise jinja2.exceptions.TemplateError(message)
+    # transformers raises Jinja's TemplateError; this one is the runner's, so that render
+    # tells the template's own refusal from a failure (both reach the host the same way).
+    raise TemplateError(message)
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):

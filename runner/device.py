@@ -149,6 +149,19 @@ def tune(
     )
 
 
+def tune_vision(tower: nn.Module, tuning: Tuning) -> int:
+    """Lay a vision tower's products out as ``tuning`` laid out the text model's (packed,
+    then the native panels where their widths allow); its float weights stay float (a
+    ``--quantize`` choice is the text model's). Returns how many products went to panels."""
+    count = 0
+    if tuning.layout in ("packed", "panels"):
+        pack_for_cpu(tower)
+    if tuning.layout == "panels":
+        count = linears_to_panels(tower)
+    mx.eval(tower.parameters(), [v for _, v in private_arrays(tower)])
+    return count
+
+
 def resolve_layout(layout: str, cpu: bool) -> str:
     """The weight layout ``layout`` names on this device ("auto": panels on the CPU when
     ``runner.native`` is built, else packed; the Hugging Face layout on a GPU); a layout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,10 +26,12 @@ from runner.batch import Scheduler
 from runner.cache_slot import CacheSlot
 from runner.faults import Faults
 from runner.heads import load_draft_head
+from runner.images import ImageLayout
 from runner.loader import LoadedModel, load_model
 from runner.models import feed_dependent
 from runner.prepare import Prepared, RequestError, RequestPreparer
 from runner.stream import Stream
+from runner.vision_load import load_vision
 
 __all__ = ["Engine", "EngineInfo", "EngineOptions", "Prepared", "RequestError"]
 
@@ -93,6 +96,7 @@ class EngineInfo:
     tuning: str  # what runner.device.tune applied
     weights_bytes: int = 0  # the target's and head's weights as held (runner.device)
     draft_sources: tuple[str, ...] = ()  # the drafters in use
+    images: bool = False  # completions may carry images (a vision tower is loaded)
 
 
 class Engine:
@@ -109,12 +113,16 @@ class Engine:
         )
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
+        self.vision, no_images = load_vision(self.loaded)
+        self.open_images: weakref.WeakSet[ImageLayout] = weakref.WeakSet()
         self.preparer = RequestPreparer(
             self.tokenizer,
             vocab_size=self.loaded.vocab_size,
             context_length=self.loaded.context_length,
             chat_template=self.loaded.chat_template,
             model_path=self.loaded.path,
+            images=self.vision.prompts if self.vision is not None else None,
+            no_images=no_images,
         )
         self.caches = self.model.make_caches()
         # A feed-dependent model (dynamic or longrope RoPE) computes what its reference
@@ -132,6 +140,8 @@ class Engine:
             quantize=options.quantize,
             quantize_head=options.quantize_head,
         )
+        if self.vision is not None:
+            self.vision.tune(self.tuning)
         self.speculation: Speculation | None = None
         # Drafting from the text already seen needs nothing from the model: every model whose
         # decoding is feed-independent speculates with it, with or without a head.
@@ -160,6 +170,7 @@ class Engine:
             tuning=self.tuning.describe(),
             weights_bytes=device.weight_bytes(self.model, head),
             draft_sources=tuple(self.speculation.sources) if self.speculation else (),
+            images=self.vision is not None,
         )
 
     def _head(self) -> tuple[object | None, str]:
@@ -265,8 +276,18 @@ class Engine:
             "cache_bytes": self.prefix.nbytes,
             "memory_bytes": int(mx.get_active_memory()),
             "weights_bytes": self.info.weights_bytes,
+            "image_bytes": sum(layout.nbytes for layout in list(self.open_images)),
             **speculation,
         }
+
+    def image_layout(self, req: Prepared) -> ImageLayout | None:
+        """The position layout of a prompt with images (None: text only), counted in
+        ``status`` while its request runs."""
+        if not req.images:
+            return None
+        layout = ImageLayout(len(req.prompt), req.images, self.vision.encode)
+        self.open_images.add(layout)
+        return layout
 
     def precheck(self, request) -> None:
         """Refuse a prompt whose length alone proves it cannot fit (reader thread)."""

@@ -34,6 +34,7 @@ class NoopInfo:
     blas: str = "none"
     weights_bytes: int = 0
     draft_sources: tuple[str, ...] = ()
+    images: bool = False
 
 
 @dataclass
@@ -123,6 +124,8 @@ class NoopEngine:
     def prepare(self, request: Completion) -> NoopPrepared:
         if request.format is not None:  # never ignored: an unenforced constraint is an error
             raise CodedError("format: the no-op model cannot enforce a format", code=BAD_REQUEST)
+        if request.images:
+            raise CodedError("images: the no-op model takes no images", code=BAD_REQUEST)
         if request.tokens is not None:
             prompt = list(request.tokens)
         elif request.messages is not None:

@@ -18,8 +18,11 @@ from protocol.errors import CodedError
 from runner.chat_template import ChatTemplate, TemplateError
 from runner.constraint import AfterThinking, Constraint, FormatError, Grammars
 from runner.emit import OPEN_MARKER
+from runner.image_prompt import PromptImages, message_parts
+from runner.images import ImageSpan
 from runner.sampler import SamplingParams
 from runner.tokenizer import Tokenizer
+from runner.vision.preprocess import ImageError
 
 
 class RequestError(CodedError):
@@ -43,6 +46,8 @@ class Prepared:
     # ``format``'s matcher (runner.constraint): this request's own, built at prepare.
     constraint: Constraint | AfterThinking | None = None
     opens_think: bool = False  # the prompt ends by opening a reasoning span (<think>)
+    # The prompt's images (runner.images), preprocessed, in prompt order; empty: text only.
+    images: list[ImageSpan] = field(default_factory=list)
 
 
 _OPTION_DEFAULTS = SamplingParams()
@@ -75,8 +80,12 @@ class RequestPreparer:
         context_length: int,
         chat_template: ChatTemplate | None,
         model_path: str,
+        images: PromptImages | None = None,
+        no_images: str = "no vision tower",
     ) -> None:
         self.tokenizer = tokenizer
+        self.images = images  # None: the model takes no images, for the reason ``no_images``
+        self.no_images = no_images
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.chat_template = chat_template
@@ -85,14 +94,22 @@ class RequestPreparer:
         self._token_texts: list[str] | None = None
 
     def tokenize_request(self, request) -> list[int]:
-        """The ids of a ``protocol`` tokenize request: its text, or its rendered messages."""
+        """The ids of a ``protocol`` tokenize request: its text, or its rendered messages
+        (images expanded to their pads)."""
         if request.messages is not None:
-            return self.chat_tokens(request)
+            try:
+                return self.chat_tokens(request)[0]
+            except ImageError as exc:
+                raise RequestError(BAD_REQUEST, str(exc)) from None
         return self.tokenizer.encode(request.text)
 
-    def chat_tokens(self, request) -> list[int]:
+    def chat_tokens(self, request) -> tuple[list[int], list[ImageSpan]]:
         """``messages`` through the model's chat template, encoded without an added BOS (the
-        template writes its own); a missing template or one that refuses is a bad request."""
+        template writes its own), and their images; a missing template or one that refuses
+        is a bad request."""
+        messages, images = message_parts(request.messages)
+        if images:
+            self._takes_images("messages")
         template = self.chat_template
         if template is None:
             raise RequestError(
@@ -103,7 +120,7 @@ class RequestPreparer:
             )
         try:
             text = template.render(
-                request.messages,
+                messages,
                 tools=request.tools,
                 add_generation_prompt=request.add_generation_prompt,
                 template_kwargs=request.template_kwargs,
@@ -111,7 +128,17 @@ class RequestPreparer:
         except TemplateError as exc:
             message = f"messages: the chat template refused them: {exc}"
             raise RequestError(BAD_REQUEST, message) from None
-        return self.tokenizer.encode(text, add_bos=False)
+        ids = self.tokenizer.encode(text, add_bos=False)
+        if not images:
+            return ids, []
+        prepared = self.images.prepared(images, "messages")
+        return self.images.expand_pads(ids, prepared)
+
+    def _takes_images(self, where: str) -> None:
+        if self.images is None:
+            raise RequestError(
+                BAD_REQUEST, f"{where}: images, but the model takes none ({self.no_images})"
+            )
 
     def precheck(self, request) -> None:
         """Refuse, without tokenizing, a prompt whose length alone proves it cannot fit
@@ -133,7 +160,10 @@ class RequestPreparer:
 
     def prepare(self, request) -> Prepared:
         """Tokenize and validate a ``protocol`` completion (any thread)."""
-        prompt = self._prompt(request)
+        try:
+            prompt, images = self._prompt(request)
+        except ImageError as exc:
+            raise RequestError(BAD_REQUEST, str(exc)) from None
         opts = request.options
         num_predict = getattr(opts, "num_predict", None) if opts is not None else None
         room = self.context_length - len(prompt)
@@ -154,10 +184,12 @@ class RequestPreparer:
             think_budget=request.think_budget,
             constraint=constraint,
             opens_think=opens_think,
+            images=images,
         )
 
-    def _prompt(self, request) -> list[int]:
-        """The prompt's ids, checked against the vocabulary and the context."""
+    def _prompt(self, request) -> tuple[list[int], list[ImageSpan]]:
+        """The prompt's ids, checked against the vocabulary and the context, and its images."""
+        images: list[ImageSpan] = []
         if request.tokens is not None:
             prompt = list(request.tokens)
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -167,14 +199,19 @@ class RequestPreparer:
                     f"tokens: id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                 )
         elif request.messages is not None:
-            prompt = self.chat_tokens(request)
+            prompt, images = self.chat_tokens(request)
+        elif request.images:
+            self._takes_images("images")
+            prompt, images = self.images.expand_tags(
+                request.prompt or "", request.images, self.tokenizer.encode
+            )
         else:
             prompt = self.tokenizer.encode(request.prompt or "")
         if not prompt:
             raise RequestError(BAD_REQUEST, "prompt: empty prompt")
         if len(prompt) >= self.context_length:
             raise overflow(f"prompt is {len(prompt)} tokens", self.context_length)
-        return prompt
+        return prompt, images
 
     def _constraint(self, request, opens: bool) -> Constraint | AfterThinking:
         """``format`` compiled for this model's tokenizer; what it cannot enforce (yet) is a

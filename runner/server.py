@@ -70,7 +70,15 @@ READ_CHUNK = 1 << 16
 TOO_LONG = object()  # yielded by split_lines in place of a line over the limit
 SHUTDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 SIGNAL_POLL_S = 0.01  # how often the signal thread takes pending shutdown signals
-STATUS_FIELDS = ("cache_entries", "cache_bytes", "memory_bytes", "speculation_depth", "speculation")
+STATUS_FIELDS = (
+    "cache_entries",
+    "cache_bytes",
+    "memory_bytes",
+    "speculation_depth",
+    "speculation",
+    "weights_bytes",
+    "image_bytes",
+)
 
 ProgressFn = Callable[[str, int, int], None]
 EngineFactory = Callable[[ProgressFn], Any]
@@ -295,6 +303,7 @@ class Server:
                 info.blas,
                 info.weights_bytes,
                 list(info.draft_sources),
+                info.images,
             )
         )
         threading.Thread(target=self._prepare_loop, daemon=True, name="prepare").start()
@@ -547,6 +556,8 @@ class Server:
                 frame = self._detokenize(request)
             else:
                 frame = self._status(request)
+        except CodedError as exc:  # a refusal (bad_request, ...): its frame, no traceback
+            frame = error_frame(request.id, exc)
         except Exception as exc:
             log.error("%s %s failed: %s", type(request).__name__, request.id, exc, exc_info=True)
             frame = error_frame(request.id, exc)

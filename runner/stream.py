@@ -79,11 +79,20 @@ class Stream:
         self.finished = False
         self.decode: DecodeLoop | None = None
         self.plain: PlainLoop | None = None
-        self.session: CacheSession | None = slot.begin(req.prompt)
+        # A prompt with images: the layout every forward over the slot's caches reads
+        # (runner.images), and image rows keyed by the image in the prefix cache.
+        self.images = engine.image_layout(req)
+        keys = self.images.key_tokens(req.prompt) if self.images is not None else None
+        self.session: CacheSession | None = slot.begin(req.prompt, keys)
         self.cached = self.session.cached
         self.spec: RequestSpeculation | None = None
         if engine.speculation is not None:
             self.spec = engine.speculation.open(engine.model.unembed, slot.draft)
+        if self.images is not None:
+            if slot.draft is not None:
+                self.images.reads("draft")  # the head embeds image rows in its deferred flush
+            for cache in slot.all:
+                cache.layout = self.images
         self.stats = self.spec.stats if self.spec is not None else SpecStats()
         self.emitter = Emitter(
             engine.tokenizer,
@@ -374,7 +383,16 @@ class Stream:
             if self.session is not None:
                 self.slot.close(self.session, outcome)
         finally:
+            self._drop_images()
             self._done()
+
+    def _drop_images(self) -> None:
+        """The slot's caches serve text again; the images' memory goes."""
+        if self.images is None:
+            return
+        for cache in self.slot.all:
+            cache.layout = None
+        self.images.release()
 
     def _done(self) -> None:
         self.on_close(self)

@@ -17,11 +17,12 @@ MLX=0.32.4            # the project's own mlx, so the quantized fixtures pack as
 SAFETENSORS=0.8.0
 NUMPY=2.4.6
 TOKENIZERS=0.23.3     # trains the suite's tokenizer (tests/checkpoints.py) that the fixtures ship
+PILLOW=13.0.0         # the image processor's resampler: pixels must match the runner's exactly
 
 VENV=.venv-ref
 PY="${MTP_REF_PYTHON:-python3}"
 
-want="torch==$TORCH transformers==$TRANSFORMERS mlx-lm==$MLX_LM mlx==$MLX safetensors==$SAFETENSORS numpy==$NUMPY tokenizers==$TOKENIZERS"
+want="torch==$TORCH transformers==$TRANSFORMERS mlx-lm==$MLX_LM mlx==$MLX safetensors==$SAFETENSORS numpy==$NUMPY tokenizers==$TOKENIZERS pillow==$PILLOW"
 stamp="$VENV/.reference-pins"
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "reference_env: $VENV is up to date ($want)" >&2
@@ -43,7 +44,7 @@ esac
 mlx_spec="mlx==$MLX"
 if [ "$(uname -s)" = "Linux" ]; then mlx_spec="mlx[cpu]==$MLX"; fi
 pip install "torch==$TORCH" "transformers==$TRANSFORMERS" "mlx-lm==$MLX_LM" "$mlx_spec" \
-  "safetensors==$SAFETENSORS" "numpy==$NUMPY" "tokenizers==$TOKENIZERS"
+  "safetensors==$SAFETENSORS" "numpy==$NUMPY" "tokenizers==$TOKENIZERS" "pillow==$PILLOW"
 "$VENV/bin/python" - <<'EOF'
 import mlx.core, mlx_lm, numpy, safetensors, torch, transformers
 print("reference_env: torch", torch.__version__, "transformers", transformers.__version__,

@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from cache.kv import KVCache, WindowSnapshot
 from cache.recurrent import RecurrentCache, RecurrentSnapshot
@@ -394,10 +395,13 @@ def test_qwen3_next_fused_rows_are_regrouped():
     assert got == [10 * j + g for j in range(2) for g in range(h.key_heads) for _ in range(per)]
 
 
-def test_vision_tower_is_skipped_and_the_head_stays_aside(caplog):
+def test_vision_tower_and_head_are_set_aside_from_the_text_model(caplog):
     with caplog.at_level(logging.INFO, logger="mtp_runner.models"):
         loaded = load("qwen3_5_vl")
-    assert "skipping 21 vision-tower tensors" in caplog.text
+    assert "21 vision-tower tensors" in caplog.text
+    assert len(loaded.model.vision_tensors) == 21
+    assert all(k.startswith("model.visual.") for k in loaded.model.vision_tensors)
+    assert not any("visual" in k for k, _ in tree_flatten(loaded.model.parameters()))
     assert loaded.extra_weights and all(k.startswith("mtp.") for k in loaded.extra_weights)
     assert not load("qwen3_next_dense").extra_weights
 

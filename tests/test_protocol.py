@@ -118,7 +118,7 @@ def test_unknown_fields_are_ignored_at_every_level():
             id="a",
             prompt="p",
             stream=True,
-            images=[{"x": [1]}],
+            keep_alive=[{"x": [1]}],
             options={"num_ctx": 8192, "mirostat": 2, "top_k": 7, "use_mmap": None},
         )
     )

@@ -401,6 +401,9 @@ class Model(nn.Module):
     # prefill evaluates and polls long chunks layer by layer. A family with its own
     # ``hidden`` states its own.
     takes_layer_hook: bool = True
+    # A multimodal checkpoint's vision-tower tensors, set aside by the family's loader hook
+    # for ``runner.vision_load`` (None: the family keeps none).
+    vision_tensors: dict | None = None
 
     def use_draft_features(self, layers: tuple[int, ...]) -> None:
         """Set ``draft_features`` (a plain attribute: an ``nn.Module`` would keep a tuple

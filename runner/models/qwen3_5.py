@@ -34,7 +34,8 @@ was converted by mlx-lm, which shifts the norms when it moves the conv (its ``sa
 its norms are left alone. Routed experts, in any of ``runner.models.moe_weights``' layouts, end
 stacked as ``switch_mlp`` (an inline MTP layer's too). Names: ``model.`` (text-only saves),
 ``model.language_model.`` (``Qwen3_5ForConditionalGeneration``), ``language_model.model.``
-(mlx-lm); the vision tower (``model.visual.*``) is dropped with a log line; an MTP head
+(mlx-lm); the vision tower (``model.visual.*`` and the other roots) is set aside for
+``runner.vision_load`` (``Model.vision_tensors``); an MTP head
 (``mtp.*``) stays for ``runner.heads`` among the loader's extra weights; its block is
 :func:`head_layer`'s.
 
@@ -50,6 +51,7 @@ import mlx.nn as nn
 
 from cache.recurrent import RecurrentCache
 from protocol.errors import CorruptModelFile
+from runner.images import rope_tables
 from runner.models.activations import silu
 from runner.models.gated_delta import decay_and_beta, gated_delta, normalize_qk
 from runner.models.layers import fused_product
@@ -92,13 +94,17 @@ _VISION = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
 
 
 def prepare_weights(
-    weights: dict[str, mx.array], sources: dict[str, str], args: ModelArgs
+    weights: dict[str, mx.array],
+    sources: dict[str, str],
+    args: ModelArgs,
+    vision: dict[str, mx.array] | None = None,
 ) -> tuple[dict[str, mx.array], dict[str, str]]:
     """Every checkpoint layout of these families in the one the model loads (module
-    docstring): names, the vision tower dropped, conv weights ``[C, K, 1]``, zero-centred
-    gains shifted exactly once, Qwen3-Next's fused rows regrouped."""
+    docstring): names, the vision tower set aside (into ``vision``, under the checkpoint's
+    names), conv weights ``[C, K, 1]``, zero-centred gains shifted exactly once, Qwen3-Next's
+    fused rows regrouped."""
     out, where = {}, {}
-    vision = []
+    vision = {} if vision is None else vision
     for name, value in weights.items():
         new = name
         for old, plain in _RENAMES:
@@ -106,17 +112,13 @@ def prepare_weights(
                 new = plain + name[len(old) :]
                 break
         if new.startswith(_VISION):
-            vision.append(name)
+            vision[name] = value
             continue
         out[new] = value
         if name in sources:
             where[new] = sources[name]
     if vision:
-        log.info(
-            "skipping %d vision-tower tensors (%s, ...): the runner serves text only",
-            len(vision),
-            vision[0],
-        )
+        log.info("%d vision-tower tensors (%s, ...) set aside", len(vision), next(iter(vision)))
     convs = {k: v for k, v in out.items() if k.startswith("model.") and k.endswith(_CONV)}
     hf = {k for k, v in convs.items() if v.ndim == 3 and v.shape[1] == 1 and v.shape[2] != 1}
     if hf and len(hf) != len(convs):
@@ -246,15 +248,21 @@ class AttentionBlock(DecoderLayer):
     def __init__(self, args: ModelArgs, mlp: nn.Module) -> None:
         _hybrid_block_parts(self, args, mlp)
         self.self_attn = GatedAttention(args)
+        # A plain attribute (an nn.Module would keep a tuple among its parameters).
+        object.__setattr__(self, "mrope_section", settings(args).mrope_section)
 
     def __call__(self, x: mx.array, mask: Mask, cache, rope: RopeTables | None = None) -> mx.array:
-        if rope is None:
-            rope = self.self_attn.rope.tables(cache.offset, x.shape[1], x.dtype)
+        if rope is None:  # a layer run on its own (the MTP head): its cache's request layout
+            rope = self.rope_tables(cache.layout, cache.offset, x.shape[1], x.dtype)
         before, after = self.before_cache, self.after_attention
         if self.compiled is not None and self.compiled.serves(x):
             before, after = self.compiled.before_cache, self.compiled.after_attention
         q, k, v, gate = before(x, *rope)
         return after(x, self.self_attn.attend_cached(q, k, v, mask, cache), gate)
+
+    def rope_tables(self, layout, offset: int, length: int, dtype: mx.Dtype) -> RopeTables:
+        """The tables of rows ``offset..`` of a request with this ``layout`` (None: plain)."""
+        return rope_tables(self.self_attn.rope, layout, offset, length, dtype, self.mrope_section)
 
     def before_cache(self, x: mx.array, *rope: mx.array):
         return self.self_attn.queries_keys_values_gate(self.input_layernorm(x), rope)
@@ -467,7 +475,10 @@ class Model(LlamaCausalLM):
         """The loader's hook: :func:`prepare_weights` for this model's settings. Records
         whether an inline MTP head's gains still need the shift (``runner.heads`` reads it)."""
         self.head_norm_shift = stores_zero_centred(weights)
-        return prepare_weights(weights, sources, self.args)
+        vision: dict[str, mx.array] = {}
+        prepared = prepare_weights(weights, sources, self.args, vision)
+        object.__setattr__(self, "vision_tensors", vision)  # not a parameter of the text model
+        return prepared
 
     def hidden(
         self,
@@ -483,13 +494,16 @@ class Model(LlamaCausalLM):
             )
         x = self.embed(tokens)
         offset, length = caches[0].offset, tokens.shape[1]
+        layout = caches[0].layout  # a prompt with images: feature rows, 3-channel positions
+        if layout is not None:
+            x = layout.overlay(x, offset, "target")
         attention = [layer for layer in self.model.layers if isinstance(layer, AttentionBlock)]
         # "causal": each attention layer's kernel builds or skips what it needs (a few layers
         # of a hybrid attend, so a shared mask array saves little).
         full = "causal" if length > 1 else None
         rope = None
         if attention:
-            rope = attention[0].self_attn.rope.tables(offset, length, x.dtype)
+            rope = attention[0].rope_tables(layout, offset, length, x.dtype)
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x = layer(x, full, cache, rope)
         return x if prenorm else self.model.norm(x)

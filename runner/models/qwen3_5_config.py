@@ -92,6 +92,9 @@ class HybridSettings:
     conv_kernel: int
     fused_projections: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba
     mtp_layers: int  # the config's MTP depth (the head itself is runner.heads' business)
+    # Interleaved multimodal RoPE: how many frequencies read the temporal, height and width
+    # position channels (image rows; a text row's three channels are equal, plain RoPE).
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
 
 
 def settings(args: ModelArgs) -> HybridSettings:
@@ -223,6 +226,7 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
             )
         rope = rope["full_attention"]
     mtp = cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers")) or 0
+    section = _mrope_section(cfg, prefix, path)
     hybrid = HybridSettings(
         layer_types=tuple(types),
         partial_rotary_factor=rope.partial_rotary_factor,
@@ -233,6 +237,7 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
         conv_kernel=linear["linear_conv_kernel_dim"],
         fused_projections=kind == "qwen3_next",
         mtp_layers=int(mtp),
+        mrope_section=section,
     )
     extra = {k: v for k, v in cfg.items() if k not in ModelArgs.__dataclass_fields__}
     extra["hybrid"] = hybrid
@@ -253,3 +258,18 @@ def model_args(config: dict, path: str | None = None) -> ModelArgs:
         max_position_embeddings=max_pos,
         extra=extra,
     )
+
+
+def _mrope_section(cfg: dict, prefix: str, path: str | None) -> tuple[int, int, int]:
+    """``mrope_section`` of the RoPE dict (either name), three non-negative ints; absent:
+    the released models' (11, 11, 10), as transformers defaults it."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if isinstance(rope, dict) and "full_attention" in rope:  # nested per layer type
+        rope = rope["full_attention"]
+    section = rope.get("mrope_section") if isinstance(rope, dict) else None
+    if section is None:
+        return (11, 11, 10)
+    ok = isinstance(section, list) and len(section) == 3
+    if not ok or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in section):
+        raise cfgs.malformed(prefix + "rope_parameters.mrope_section", f"found {section!r}", path)
+    return (int(section[0]), int(section[1]), int(section[2]))

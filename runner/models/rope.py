@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -144,10 +145,28 @@ class RoPE(nn.Module):
             raise ValueError(f"{self.kind} RoPE depends on the feed: no per-row tables")
         return self._composed(mx.array(positions, dtype=mx.float32), self._period_table, dtype)
 
+    def multimodal_tables(
+        self, positions: np.ndarray, sections: Sequence[int], dtype: mx.Dtype = mx.float32
+    ) -> RopeTables:
+        """Composed tables for rows at 3-channel positions ``[3, length]`` (temporal, height,
+        width: an image's rows in a multimodal prompt). Frequency ``j`` reads one channel,
+        interleaved over the first ``3 * sections[c]`` frequencies (:func:`mrope_channels`).
+        A row whose three channels are equal gets exactly the 1-D tables of its position.
+        Not for a variant whose periods depend on the feed."""
+        if self.depends_on_feed:
+            raise ValueError(f"{self.kind} RoPE depends on the feed: no multimodal tables")
+        channels = mrope_channels(self.dims // 2, sections)
+        pos = mx.array(np.asarray(positions, dtype=np.float32)) * self.scale
+        angles = mx.take(pos, mx.array(channels), axis=0).T / self._period_table[None, :]
+        return self._from_angles(angles, dtype)
+
     def _composed(self, positions: mx.array, periods: mx.array, dtype: mx.Dtype) -> RopeTables:
-        length = positions.shape[0]
         pos = positions * self.scale
-        angles = pos[:, None] / periods[None, :]
+        return self._from_angles(pos[:, None] / periods[None, :], dtype)
+
+    def _from_angles(self, angles: mx.array, dtype: mx.Dtype) -> RopeTables:
+        """cos, sin ``[length, head_dim]`` of per-pair ``angles`` ``[length, dims / 2]``."""
+        length = angles.shape[0]
         if self.traditional:
             angles = mx.repeat(angles, 2, axis=1)
         else:
@@ -193,6 +212,18 @@ class RoPE(nn.Module):
 
 # Composed: (cos, sin, rotation); fast: (offset,) or (offset, periods).
 RopeTables = tuple[mx.array, ...]
+
+
+def mrope_channels(pairs: int, sections: Sequence[int]) -> np.ndarray:
+    """The position channel (0 temporal, 1 height, 2 width) each of ``pairs`` frequencies
+    reads in interleaved multimodal RoPE: height where ``j % 3 == 1`` and ``j < 3 *
+    sections[1]``, width where ``j % 3 == 2`` and ``j < 3 * sections[2]``, temporal for the
+    rest (so frequencies past the sections read the temporal channel)."""
+    j = np.arange(pairs)
+    channels = np.zeros(pairs, dtype=np.int32)
+    channels[(j % 3 == 1) & (j < 3 * sections[1])] = 1
+    channels[(j % 3 == 2) & (j < 3 * sections[2])] = 2
+    return channels
 
 
 def rotation_matrix(dims: int, traditional: bool, width: int | None = None) -> mx.array:
