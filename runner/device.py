@@ -150,16 +150,10 @@ def tune(
 
 
 def tune_vision(tower: nn.Module, tuning: Tuning) -> int:
-    """Lay a vision tower's products out as ``tuning`` laid out the text model's (packed,
-    then the native panels where their widths allow); its float weights stay float (a
-    ``--quantize`` choice is the text model's). Returns how many products went to panels."""
-    count = 0
-    if tuning.layout in ("packed", "panels"):
-        pack_for_cpu(tower)
-    if tuning.layout == "panels":
-        count = linears_to_panels(tower)
-    mx.eval(tower.parameters(), [v for _, v in private_arrays(tower)])
-    return count
+    """Lay a vision tower's products out as ``tuning`` laid out the text model's (its
+    ``lay_out``: packed, then panels where its widths allow); its float weights stay float (a
+    ``--quantize`` choice is the text model's). Returns how many products changed layout."""
+    return tower.lay_out(tuning.layout)
 
 
 def resolve_layout(layout: str, cpu: bool) -> str:

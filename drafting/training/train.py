@@ -26,6 +26,7 @@ class WholeSequenceCache:
     is nothing to keep; positions start at 0 and attention is causal over the call."""
 
     offset = 0
+    layout = None  # training text has no images
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return keys, values
