@@ -40,6 +40,16 @@ class KVSnapshot(BaseSnapshot):
         """A range of a full cache always restores (given the prefix before it)."""
         return True
 
+    @classmethod
+    def of_arrays(cls, start: int, end: int, keys: mx.array, values: mx.array) -> KVSnapshot:
+        """A materialised snapshot of ``[start, end)`` holding ``keys``/``values`` as given:
+        arrays no cache buffer owns (read back from disk by ``cache.disk``), so no copy is
+        needed to keep them from changing; a restore writes them into the buffer."""
+        snap = cls.__new__(cls)
+        snap.start, snap.end, snap.owner, snap.on_resize = start, end, None, None
+        snap.keys, snap.values = keys, values
+        return snap
+
     def materialise(self) -> None:
         """Copy the range out of the owner's buffer now (a no-op once materialised)."""
         owner = self.owner

@@ -24,15 +24,26 @@ caches; the next chat turn resumes there) and every ``snapshot_interval`` tokens
 prefill. Their copies count against the byte budget like any other: off the live path whole
 nodes go first (``PrefixTrie.evict``), then the windowed copies of the live path itself, least
 recently used first (the live path's full-cache ranges cost nothing, its windowed copies do).
+
+With a disk tier (``cache.disk``), ``begin`` first grafts onto the trie what the disk spells of
+the prompt past the trie's own match (materialised nodes, restored like any paged-out ones),
+and ``close`` hands the disk what the caches hold past what it has.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cache.base import BaseCache, BaseSnapshot
 from cache.trie import Node, PrefixTrie
 from cache.window import WindowSnapshot
+
+if TYPE_CHECKING:
+    from cache.disk import DiskCache
+
+log = logging.getLogger("mtp_runner.prefix_cache")
 
 SNAPSHOT_INTERVAL = 2048
 # A snapshot this many tokens before the prompt end lets a regenerated last turn (whose final
@@ -95,6 +106,7 @@ class CacheSession:
         boundaries: Sequence[int] = (),
         slot: _Slot | None = None,
         keys: list[int] | None = None,
+        from_disk: int = 0,
     ) -> None:
         self._owner = owner
         self._slot = slot
@@ -102,6 +114,7 @@ class CacheSession:
         # What the trie keys the prompt by: its ids, or with images each image row's key.
         self.keys = prompt if keys is None else keys
         self.cached = cached  # prompt tokens restored from the cache
+        self.from_disk = from_disk  # of those, read from the disk tier for this request
         self.remaining = prompt[cached:]  # still to evaluate; the last one seeds decoding
         self._points = points
         # Where ``close`` keeps node boundaries: the points, and resume points outside them.
@@ -146,6 +159,7 @@ class PrefixCache:
         pair_keys: bool = False,
         enabled: bool = True,
         snapshot_interval: int = SNAPSHOT_INTERVAL,
+        disk: DiskCache | None = None,
     ) -> None:
         if snapshot_interval < 1:
             raise ValueError("snapshot_interval must be positive")
@@ -155,6 +169,7 @@ class PrefixCache:
         self.snapshot_interval = snapshot_interval
         self.trie = PrefixTrie()
         self.slots: list[_Slot] = [_Slot(caches, self.trie.root)]
+        self.disk = disk  # the disk tier, or None
 
     @property
     def caches(self) -> list:
@@ -223,9 +238,13 @@ class PrefixCache:
         if at.open is not None:
             at.open.closed = True
         self._level(at)
+        from_disk = 0
         if self.enabled:
-            path, matched = self.trie.match(trie_keys(keyed, self.pair_keys))
+            search = trie_keys(keyed, self.pair_keys)
+            lo, hi = self._from_disk(search, len(prompt) - 1)
+            path, matched = self.trie.match(search)
             cached = self._switch(at, path, min(matched, len(prompt) - 1))
+            from_disk = max(0, min(cached, hi) - lo)
             resume = self._resume_points(at, len(prompt), cached)
             points = self._points(len(prompt), cached, resume)
             self._pin(at, path, points, cached, matched, len(prompt), resume)
@@ -234,8 +253,27 @@ class PrefixCache:
                 c.rewind(0)
             at.live = [self.trie.root]
             cached, points, resume = 0, [], []
-        at.open = CacheSession(self, prompt, cached, points, resume, slot=at, keys=keyed)
+        at.open = CacheSession(
+            self, prompt, cached, points, resume, slot=at, keys=keyed, from_disk=from_disk
+        )
         return at.open
+
+    def _on_disk(self) -> bool:
+        return self.disk is not None and self.disk.pair_keys == self.pair_keys
+
+    def _from_disk(self, keys: list[int], limit: int) -> tuple[int, int]:
+        """Graft what the disk tier has of ``keys[:limit]`` past the trie's match; returns the
+        grafted range (empty: none). A node split on the way is put back on the live paths."""
+        if not self._on_disk():
+            return 0, 0
+        try:
+            lo, hi = self.disk.graft(self.trie, keys, min(limit, len(keys)))
+        except Exception:  # the disk is an optimisation: never fail a request over it
+            log.exception("disk cache: restore failed; serving from memory")
+            lo = hi = 0
+        for slot in self.slots:
+            slot.live = self.trie.path_to(slot.live[-1])
+        return lo, hi
 
     @staticmethod
     def _level(at: _Slot) -> None:
@@ -402,6 +440,11 @@ class PrefixCache:
         self.trie.touch(at.live[-1])
         self.trie.evict(self.budget_bytes, self._kept())
         self._evict_live_windows(at)
+        if self._on_disk():
+            try:
+                self.disk.record(at.caches, at.live, keys, indexed)
+            except Exception:
+                log.exception("disk cache: recording failed; the prefix stays in memory only")
 
     def _evict_live_windows(self, at: _Slot) -> None:
         """Over budget with only the live path left: release the windowed copies its nodes

@@ -86,6 +86,14 @@ class PrefixTrie:
             node = child
         return path, pos
 
+    @staticmethod
+    def path_to(node: Node) -> list[Node]:
+        """The path from the root to ``node``, root first."""
+        path = [node]
+        while path[-1].parent is not None:
+            path.append(path[-1].parent)
+        return path[::-1]
+
     def nodes(self) -> Iterator[Node]:
         """Every node but the root, parents before children."""
         stack = list(self.root.children.values())

@@ -55,9 +55,31 @@ class WindowSnapshot(BaseSnapshot):
         snap.valid = False
         return snap
 
+    @classmethod
+    def of_arrays(
+        cls, start: int, end: int, lo: int, keys: mx.array | None, values: mx.array | None
+    ) -> WindowSnapshot:
+        """A restorable window ``[lo, end)`` held in ``keys``/``values`` (None for an empty
+        window): arrays no cache buffer owns, read back from disk by ``cache.disk``."""
+        snap = cls(start, end, lo, None)
+        if end > lo:
+            snap.keys, snap.values = keys, values
+        snap.valid = True
+        return snap
+
     @property
     def restorable(self) -> bool:
         return self.valid
+
+    def arrays(self) -> tuple[mx.array | None, mx.array | None]:
+        """The window's keys and values (for a recurrent snapshot its conv rows and state) as
+        they are now, a view of the owner's buffer while lazy; the snapshot is left as it is.
+        None, None for an empty window."""
+        owner = self.owner
+        if owner is None or self.end <= self.lo:
+            return self.keys, self.values
+        a, b = self.lo - owner.base, self.end - owner.base
+        return owner.keys[..., a:b, :], owner.values[..., a:b, :]
 
     def materialise(self) -> None:
         """Copy the window out of the owner's buffer now (a no-op unless lazy)."""

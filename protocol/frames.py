@@ -90,6 +90,8 @@ class Done(msgspec.Struct, tag="done", tag_field="type"):
     eval_tokens: int = 0
     eval_ns: int = 0
     speculation: Speculation = msgspec.field(default_factory=Speculation)
+    # Of ``prompt_cached_tokens``, those read from the disk tier (``--cache-dir``) for this one.
+    prompt_disk_tokens: int = 0
 
 
 class Error(msgspec.Struct, tag="error", tag_field="type"):
@@ -131,6 +133,11 @@ class StatusFrame(msgspec.Struct, tag="status", tag_field="type"):
     weights_bytes: int = 0
     # Image pixels and features held by running completions (released once embedded), bytes.
     image_bytes: int = 0
+    # The prefix cache's disk tier (``--cache-dir``): segments and bytes on disk, and the
+    # segments found unusable (damaged, truncated, foreign) since the runner started.
+    disk_segments: int = 0
+    disk_bytes: int = 0
+    disk_skipped: int = 0
 
 
 Frame = Union[Progress, Ready, Token, Done, Error, TokensFrame, TextFrame, StatusFrame]  # noqa: UP007

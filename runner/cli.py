@@ -134,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 2G, at most a quarter of physical memory)",
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="keep prefix-cache segments in DIR, so a restarted runner restores prompts from "
+        "disk (a subdirectory per model and settings; off by default)",
+    )
+    p.add_argument(
+        "--cache-disk-bytes",
+        type=parse_bytes,
+        default=None,
+        metavar="N",
+        help="disk budget of --cache-dir, least recently used segments deleted first (10G)",
+    )
     count(
         "--prefill-chunk",
         type=positive_int,
@@ -213,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noop-model", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--noop-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--inject-fault", action="append", type=fault_spec, help=argparse.SUPPRESS)
+    # A disk-tier write fault (cache.disk_format.fault_hook: kill|full:segment|renamed|index).
+    p.add_argument("--cache-dir-fault", help=argparse.SUPPRESS)
     p.add_argument(
         "--max-line-bytes",
         type=positive_int,
@@ -241,6 +256,9 @@ def engine_factory(args: argparse.Namespace):
             draft_sources=args.draft_sources,
             cache_bytes=args.cache_bytes,
             prefix_cache=not args.no_prefix_cache,
+            cache_dir=args.cache_dir,
+            cache_disk_bytes=args.cache_disk_bytes,
+            disk_fault=args.cache_dir_fault,
             prefill_chunk=args.prefill_chunk,
             dtype=args.dtype,
             keep_quantized=args.keep_quantized,

@@ -17,7 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
+import cache
+import drafting
+from cache import disk_format
+from cache.disk import DiskCache, cache_kind
 from cache.kv import KVCache
 from cache.session import PrefixCache
 from drafting.speculation import Speculation
@@ -41,6 +46,9 @@ Emit = Callable[[object], None]
 Progress = Callable[[str, int, int], None]
 
 GIB = 1 << 30
+DISK_BYTES = 10 * GIB  # --cache-disk-bytes' default
+# Checkpoint files that decide the cached bits (the tokenizer's do not: keys are token ids).
+MODEL_FILES = (".safetensors", ".gguf", ".bin", ".npz", "config.json")
 
 
 def physical_memory() -> int:
@@ -66,6 +74,9 @@ class EngineOptions:
     draft_sources: tuple[str, ...] = ("head", "suffix")
     cache_bytes: int | None = None  # None: default_cache_bytes()
     prefix_cache: bool = True
+    cache_dir: str | None = None  # the prefix cache's disk tier (cache.disk); None: off
+    cache_disk_bytes: int | None = None  # its budget; None: DISK_BYTES
+    disk_fault: str | None = None  # a disk write fault (cache.disk_format.fault_hook): tests
     prefill_chunk: int = 512
     dtype: str = "auto"
     keep_quantized: bool | None = None  # None: where the device has a quantized product
@@ -249,11 +260,71 @@ class Engine:
         budget = self.options.cache_bytes or default_cache_bytes()
         # With a draft KV, keys pair each token with the next so every restore point is
         # valid for the draft cache too (its slot S depends on token S+1).
+        pair_keys = self.draft_cache is not None
+        enabled = self.options.prefix_cache and not self.feed_dependent
         return PrefixCache(
             caches,
             budget,
-            pair_keys=self.draft_cache is not None,
-            enabled=self.options.prefix_cache and not self.feed_dependent,
+            pair_keys=pair_keys,
+            enabled=enabled,
+            disk=self._disk_tier(caches, pair_keys) if enabled else None,
+        )
+
+    def _disk_tier(self, caches: list, pair_keys: bool) -> DiskCache | None:
+        """The disk tier under ``--cache-dir`` (None without it, or where the directory
+        cannot be used); a directory another live runner holds is a load error."""
+        options = self.options
+        if options.cache_dir is None:
+            return None
+        try:
+            return DiskCache(
+                options.cache_dir,
+                self._fingerprint(caches, pair_keys),
+                [cache_kind(c) for c in caches],
+                options.cache_disk_bytes or DISK_BYTES,
+                pair_keys=pair_keys,
+                hook=disk_format.fault_hook(options.disk_fault),
+            )
+        except OSError as exc:
+            log.warning("--cache-dir %s unusable (%s): no disk tier", options.cache_dir, exc)
+            return None
+
+    def _fingerprint(self, caches: list, pair_keys: bool) -> str:
+        """What decides the bits a cache holds for given keys: the checkpoint's files (sizes,
+        headers, sampled blocks), the weights and head as laid out, the dtype, the device
+        tuning, BLAS (its threads too), MLX and the device, the options that change
+        products or chunking, the runner's own code, the caches' kinds and the key scheme."""
+        options, path = self.options, self.loaded.path
+        files = [path]
+        if os.path.isdir(path):
+            names = sorted(n for n in os.listdir(path) if n.endswith(MODEL_FILES))
+            files = [os.path.join(path, n) for n in names]
+        head = self.head
+        # The packages whose code computes cached arrays (runner: device.py's directory).
+        code = [os.path.dirname(m.__file__) for m in (cache, drafting, device)]
+        return disk_format.fingerprint(
+            {
+                "model": disk_format.files_print(files),
+                "weights": disk_format.arrays_print(tree_flatten(self.model.parameters())),
+                "head": disk_format.arrays_print(tree_flatten(head.parameters())) if head else None,
+                "dtype": str(self.loaded.dtype),
+                "tuning": self.tuning.describe(),
+                "blas": blas.blas_in_use(),
+                "mlx": [mx.__version__, str(mx.default_device())],
+                "options": [
+                    options.exact_products,
+                    options.quantize,
+                    options.quantize_head,
+                    options.keep_quantized,
+                    options.weight_layout,
+                    options.row_layout,
+                    options.compile,
+                    options.prefill_chunk,
+                ],
+                "code": disk_format.sources_print(code),
+                "caches": [[type(c).__name__, c.window_lo(1 << 40)] for c in caches],
+                "pair_keys": pair_keys,
+            }
         )
 
     # ----------------------------------------------------------------- any thread
@@ -277,6 +348,7 @@ class Engine:
             "memory_bytes": int(mx.get_active_memory()),
             "weights_bytes": self.info.weights_bytes,
             "image_bytes": sum(layout.nbytes for layout in list(self.open_images)),
+            **(self.prefix.disk.status() if self.prefix.disk is not None else {}),
             **speculation,
         }
 

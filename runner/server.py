@@ -78,6 +78,9 @@ STATUS_FIELDS = (
     "speculation",
     "weights_bytes",
     "image_bytes",
+    "disk_segments",
+    "disk_bytes",
+    "disk_skipped",
 )
 
 ProgressFn = Callable[[str, int, int], None]

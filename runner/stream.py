@@ -85,6 +85,7 @@ class Stream:
         keys = self.images.key_tokens(req.prompt) if self.images is not None else None
         self.session: CacheSession | None = slot.begin(req.prompt, keys)
         self.cached = self.session.cached
+        self.from_disk = self.session.from_disk
         self.spec: RequestSpeculation | None = None
         if engine.speculation is not None:
             self.spec = engine.speculation.open(engine.model.unembed, slot.draft)
@@ -408,6 +409,7 @@ class Stream:
                 eval_tokens=self.ledger.used,
                 eval_ns=t_end - t_prefill,
                 speculation=speculation_frame(self.stats.as_dict()),
+                prompt_disk_tokens=self.from_disk,
             )
         )
 

@@ -288,6 +288,7 @@ def test_frame_keys_hosts_rely_on():
         "eval_tokens",
         "eval_ns",
         "speculation",
+        "prompt_disk_tokens",
     }
     assert set(done["speculation"]) == {
         "rounds",
