@@ -1,7 +1,8 @@
 """Model families by ``model_type``: llama (llama, mistral, qwen2, qwen3 and the smollm
 aliases), gemma (gemma2, gemma3_text), phi3 and the hybrids in qwen3_5 (qwen3_5,
 qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next, dense or MoE), the MoE families
-qwen3_moe and glm4_moe (runner.models.moe).
+qwen3_moe and glm4_moe (runner.models.moe), and the multi-head latent attention families
+deepseek_v3 and glm4_moe_lite (runner.models.mla).
 
 Every family module has ``FAMILIES``, ``model_args(config, path) -> ModelArgs``, ``Model``
 (the llama family's interface: ``forward``, ``hidden``, ``unembed``, ``embed``,
@@ -16,7 +17,7 @@ from types import ModuleType
 import mlx.nn as nn
 
 from protocol.errors import UnsupportedArchitecture
-from runner.models import config, gemma, glm4_moe, llama, phi3, qwen3_5, qwen3_moe
+from runner.models import config, gemma, glm4_moe, llama, mla, phi3, qwen3_5, qwen3_moe
 
 _FAMILIES: dict[str, ModuleType] = {name: llama for name in llama.FAMILIES}
 # Aliases seen in real configs for the same architecture.
@@ -25,6 +26,7 @@ _FAMILIES.update({name: gemma for name in gemma.FAMILIES})
 _FAMILIES.update({name: phi3 for name in phi3.FAMILIES})
 _FAMILIES.update({name: qwen3_5 for name in qwen3_5.FAMILIES})
 _FAMILIES.update({name: m for m in (qwen3_moe, glm4_moe) for name in m.FAMILIES})  # MoE
+_FAMILIES.update({name: mla for name in mla.FAMILIES})  # latent attention
 
 
 def supported_model_types() -> list[str]:
