@@ -133,6 +133,8 @@ class StatusFrame(msgspec.Struct, tag="status", tag_field="type"):
     weights_bytes: int = 0
     # Image pixels and features held by running completions (released once embedded), bytes.
     image_bytes: int = 0
+    # The cache slots' key and value buffers (quantized with --kv-bits), bytes.
+    kv_bytes: int = 0
     # The prefix cache's disk tier (``--cache-dir``): segments and bytes on disk, and the
     # segments found unusable (damaged, truncated, foreign) since the runner started.
     disk_segments: int = 0

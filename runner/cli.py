@@ -180,6 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --quantize, keep the MTP head's weights in float",
     )
     p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        help="store full-attention layers' keys and values quantized to 8 or 4 bits (affine "
+        "per group, as mlx-lm's quantized cache; about 0.28x or 0.16x float32's memory)",
+    )
+    count(
+        "--kv-group",
+        type=int,
+        choices=(32, 64, 128),
+        default=64,
+        help="with --kv-bits, values per scale and bias (default 64)",
+    )
+    p.add_argument(
         "--exact-products",
         action="store_true",
         help="multiply quantized weights bit-for-bit as their dequantized float32 values "
@@ -270,6 +284,8 @@ def engine_factory(args: argparse.Namespace):
             compile=not args.no_compile,
             faults=Faults.parse(args.inject_fault),
             parallel=args.parallel,
+            kv_bits=args.kv_bits,
+            kv_group=args.kv_group,
         )
         return Engine(options, progress=progress)
 

@@ -24,6 +24,7 @@ import drafting
 from cache import disk_format
 from cache.disk import DiskCache, cache_kind
 from cache.kv import KVCache
+from cache.kv_quantized import quantize_caches
 from cache.session import PrefixCache
 from drafting.speculation import Speculation
 from runner import blas, device
@@ -94,6 +95,10 @@ class EngineOptions:
     faults: Faults = field(default_factory=Faults)  # the test seam (runner.faults)
     # Completions decoded at once, rows of one forward (runner.batch); 1: one at a time.
     parallel: int = 1
+    # Full-attention layers' keys and values stored quantized (cache.kv_quantized): 4 or 8
+    # bits, affine per group of kv_group values; None: float.
+    kv_bits: int | None = None
+    kv_group: int = 64
 
 
 @dataclass
@@ -135,7 +140,8 @@ class Engine:
             images=self.vision.prompts if self.vision is not None else None,
             no_images=no_images,
         )
-        self.caches = self.model.make_caches()
+        self.kv_bits = self._kv_bits()  # --kv-bits, where the model's attention reads it
+        self.caches = self.make_caches()
         # A feed-dependent model (dynamic or longrope RoPE) computes what its reference
         # computes only when every prompt is one forward and decoding one token per forward:
         # no speculation, no prefix cache, no prefill chunks.
@@ -206,12 +212,40 @@ class Engine:
         self.prefix: PrefixCache = self._make_prefix_cache(slots[0].all)
         for index in range(1, self.parallel):
             draft = KVCache() if self.draft_cache is not None else None
-            slot = CacheSlot(index, self.model.make_caches(), draft)
+            slot = CacheSlot(index, self.make_caches(), draft)
             self.prefix.add_slot(slot.all)
             slots.append(slot)
         for slot in slots:
             slot.prefix = self.prefix
         return slots
+
+    def make_caches(self) -> list:
+        """One set of the model's caches, full-attention layers quantized with --kv-bits."""
+        return quantize_caches(self.model.make_caches(), self.kv_bits, self.options.kv_group)
+
+    def _kv_bits(self) -> int | None:
+        """--kv-bits where every full-attention cache is read by the llama family's attention
+        (the one that reads packed rows); otherwise None, with a warning."""
+        bits = self.options.kv_bits
+        if not bits:
+            return None
+        from runner.models.llama import Attention
+
+        caches = self.model.make_caches()
+        readers = [getattr(layer, "self_attn", None) for layer in getattr(self.model, "layers", [])]
+        if len(readers) != len(caches) or any(
+            type(c) is KVCache and not isinstance(a, Attention)
+            for c, a in zip(caches, readers, strict=True)
+        ):
+            log.warning("--kv-bits: this model's attention reads float caches only: float KV")
+            return None
+        group = self.options.kv_group
+        if any(
+            type(c) is KVCache and a.head_dim % group for c, a in zip(caches, readers, strict=True)
+        ):
+            log.warning("--kv-bits: heads are not a multiple of --kv-group %d: float KV", group)
+            return None
+        return bits
 
     @property
     def chunk(self) -> int:
@@ -248,7 +282,7 @@ class Engine:
         report("compile", 0, 1)
         # A shared decode forward over R sequences runs the blocks at R rows as well.
         for rows in range(1, max(2, self.parallel) + 1):
-            caches = self.model.make_caches()
+            caches = self.make_caches()
             hidden = self.model.hidden(mx.zeros((1, rows), dtype=mx.int32), caches)
             outputs = [self.model.unembed(hidden)]
             if self.head is not None and rows <= 2:
@@ -320,6 +354,8 @@ class Engine:
                     options.row_layout,
                     options.compile,
                     options.prefill_chunk,
+                    self.kv_bits,
+                    options.kv_group,
                 ],
                 "code": disk_format.sources_print(code),
                 "caches": [[type(c).__name__, c.window_lo(1 << 40)] for c in caches],
@@ -348,6 +384,7 @@ class Engine:
             "memory_bytes": int(mx.get_active_memory()),
             "weights_bytes": self.info.weights_bytes,
             "image_bytes": sum(layout.nbytes for layout in list(self.open_images)),
+            "kv_bytes": sum(c.nbytes for slot in self.slots for c in slot.all),
             **(self.prefix.disk.status() if self.prefix.disk is not None else {}),
             **speculation,
         }

@@ -78,6 +78,7 @@ STATUS_FIELDS = (
     "speculation",
     "weights_bytes",
     "image_bytes",
+    "kv_bytes",
     "disk_segments",
     "disk_bytes",
     "disk_skipped",

@@ -283,20 +283,58 @@ def _weighted_values(
     return (acc / den).transpose(0, 1, 3, 2)
 
 
-def _fused(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool) -> mx.array:
-    """The native fused kernel, in pieces of ``FUSED_PIECE_ROWS`` query rows while a cancel
-    hook is set (a causal piece takes only the keys up to its last row)."""
+def packed_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    mask: mx.array | str | None,
+    cache,
+    scale: float,
+    rows: bool,
+    fused: bool,
+) -> mx.array | None:
+    """Attention over a ``cache.kv_quantized`` cache's packed rows ``k``, ``v`` without a float
+    copy, or None where no kernel reads them (the caller dequantizes). ``rows``: a causal feed
+    of a few rows the native row kernel may take (each row alone, as decoding it would);
+    ``fused``: no soft-capping or ``mx.fast`` kernel, so a long feed with a None or "causal"
+    mask takes the native fused kernel, which dequantizes each key tile as it reads it."""
+    bits, group = cache.bits, cache.group
+    if rows and native.row_attention_quantized_available(q.shape[-1]):
+        return native.row_attention_quantized(q, k, v, scale=scale, bits=bits, group=group)
+    if (
+        fused
+        and serves(q.shape[2], q.dtype, mask)
+        and (mask is None or isinstance(mask, str))
+        and native.flash_attention_quantized_available()
+    ):
+        return _fused(q, k, v, scale, isinstance(mask, str), (bits, group))
+    return None
+
+
+def _fused(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    causal: bool,
+    quantized: tuple[int, int] | None = None,
+) -> mx.array:
+    """The native fused kernel (over packed rows given ``quantized`` = (bits, group)), in
+    pieces of ``FUSED_PIECE_ROWS`` query rows while a cancel hook is set (a causal piece
+    takes only the keys up to its last row)."""
     hook, length, keys = _BETWEEN_BLOCKS.get(), q.shape[2], k.shape[2]
+    kernel = native.flash_attention
+    if quantized is not None:
+        bits, group = quantized
+        kernel = functools.partial(native.flash_attention_quantized, bits=bits, group=group)
     if hook is None or length <= FUSED_PIECE_ROWS:
-        return native.flash_attention(q, k, v, scale=scale, causal=causal)
+        return kernel(q, k, v, scale=scale, causal=causal)
     pieces = []
     for start in range(0, length, FUSED_PIECE_ROWS):
         rows = min(FUSED_PIECE_ROWS, length - start)
         end = keys - length + start + rows if causal else keys
         qp = q[:, :, start : start + rows]
-        pieces.append(
-            native.flash_attention(qp, k[:, :, :end], v[:, :, :end], scale=scale, causal=causal)
-        )
+        pieces.append(kernel(qp, k[:, :, :end], v[:, :, :end], scale=scale, causal=causal))
         if start + rows < length:
             hook(pieces[-1])
     return mx.concatenate(pieces, axis=2)

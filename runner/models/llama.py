@@ -13,9 +13,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cache.kv import KVCache, RotatingKVCache
+from cache.kv_quantized import QuantizedKVCache
 from runner import native
 from runner.models.activations import silu_mul
-from runner.models.attention import blocked_attention
+from runner.models.attention import blocked_attention, packed_attention
 from runner.models.attention import serves as serves_blocked
 from runner.models.config import read_llama_family, text_config
 from runner.models.layers import (
@@ -169,7 +170,14 @@ class Attention(nn.Module):
         causal_rows = (rows == 1 and mask is None) or (
             1 < rows <= ROW_BY_ROW and isinstance(mask, str)
         )
-        if causal_rows and not self.fast and self.softcap is None and self.rows_native:
+        native_rows = causal_rows and not self.fast and self.softcap is None and self.rows_native
+        if isinstance(cache, QuantizedKVCache):  # packed rows (--kv-bits)
+            fused = not self.fast and self.softcap is None
+            out = packed_attention(q, k, v, mask, cache, self.scale, native_rows, fused)
+            if out is not None:
+                return out
+            k, v = cache.dequantize(k, v)  # any other reader: this call's float copy
+        if native_rows:
             # One native op per layer, each row alone over its keys (runner.native).
             return native.row_attention(q, k, v, scale=self.scale)
         if 1 < rows <= ROW_BY_ROW and isinstance(mask, str) and not self.fast:

@@ -326,3 +326,56 @@ def row_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.
             + (_reason or "rebuild it with `python -m runner.native.build`")
         )
     return _ext.row_attention(q, k, v, scale)
+
+
+def row_attention_quantized_available(dim: int) -> bool:
+    """Whether the compiled module attends over packed quantized rows of head dim ``dim``."""
+    return (
+        _ext is not None
+        and hasattr(_ext, "row_attention_quantized")
+        and dim in (16, 32, 64, 80, 96, 128, 256)
+    )
+
+
+def row_attention_quantized(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, bits: int, group: int
+) -> mx.array:
+    """:func:`row_attention` over the packed rows of a ``cache.kv_quantized`` cache (uint32
+    ``[B, G, T, words]``): each key and value is dequantized 16 values at a time as it is read,
+    as ``scale * q + bias`` per group, never the whole cache. Row ``i`` of an ``L``-row call has
+    the bits of the one-row call over the same keys."""
+    if not row_attention_quantized_available(q.shape[-1]):
+        raise RuntimeError(
+            "runner.native has no quantized row attention for this head dimension: "
+            + (_reason or "rebuild it with `python -m runner.native.build`")
+        )
+    return _ext.row_attention_quantized(q, k, v, scale, bits, group)
+
+
+def flash_attention_quantized_available() -> bool:
+    """Whether the compiled module has the fused attention over packed quantized rows."""
+    return _ext is not None and hasattr(_ext, "flash_attention_quantized")
+
+
+def flash_attention_quantized(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    causal: bool,
+    bits: int,
+    group: int,
+    threads: int | None = None,
+) -> mx.array:
+    """:func:`flash_attention` over the packed rows of a ``cache.kv_quantized`` cache (uint32
+    ``[B, G, T, words]``): each block dequantizes a key tile (64 keys) into its scratch as it
+    reads it, so no float copy of the cache is made."""
+    if not flash_attention_quantized_available():
+        raise RuntimeError(
+            "runner.native has no quantized fused attention: "
+            + (_reason or "rebuild it with `python -m runner.native.build`")
+        )
+    return _ext.flash_attention_quantized(
+        q, k, v, scale, causal, bits, group, threads or LARGE_M_THREADS
+    )

@@ -22,10 +22,26 @@ mx::array flash_attention(
     int threads = 1,
     mx::StreamOrDevice s = {});
 
+// The same over packed quantized keys and values (cache.kv_quantized): k, v uint32
+// [B, G, T, W], W = D * bits / 32 + 2 * D / group; each key tile is dequantized as a block
+// reads it (no float copy of the cache).
+mx::array flash_attention_quantized(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    bool causal,
+    int bits,
+    int group,
+    int threads = 1,
+    mx::StreamOrDevice s = {});
+
 class FlashAttention : public InferencePrimitive {
  public:
-  FlashAttention(mx::Stream stream, float scale, bool causal, int threads)
-      : InferencePrimitive(stream), scale_(scale), causal_(causal), threads_(threads) {}
+  FlashAttention(mx::Stream stream, float scale, bool causal, int threads, int bits = 0,
+                 int group = 0)
+      : InferencePrimitive(stream), scale_(scale), causal_(causal), threads_(threads),
+        bits_(bits), group_(group) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -38,6 +54,7 @@ class FlashAttention : public InferencePrimitive {
   float scale_;
   bool causal_;
   int threads_;
+  int bits_, group_;  // 0: float keys and values
 };
 
 // The attention kernel path compiled in: "avx2" or "portable".

@@ -59,6 +59,21 @@ NB_MODULE(_smallrow, m) {
       "softmax(scale q k^T + causal mask) v for q [B, H, L, D] and k, v [B, G, T, D] (G divides "
       "H), fused per block of query rows; threads splits the blocks.");
   m.def(
+      "flash_attention_quantized",
+      &mtp_native::flash_attention_quantized,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "scale"_a,
+      "causal"_a,
+      "bits"_a,
+      "group"_a,
+      "threads"_a = 1,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "flash_attention over packed quantized keys and values (cache.kv_quantized: uint32 "
+      "[B, G, T, W]), each key tile dequantized as a block reads it.");
+  m.def(
       "qpanel_matmul",
       &mtp_native::qpanel_matmul,
       "x"_a,
@@ -82,6 +97,19 @@ NB_MODULE(_smallrow, m) {
       "stream"_a = nb::none(),
       "softmax(scale q k^T) v for a few query rows q [B, H, L, D] over k, v [B, G, T, D], row i "
       "over keys 0 .. T - L + i, each row computed alone (the same bits whatever L).");
+  m.def(
+      "row_attention_quantized",
+      &mtp_native::row_attention_quantized,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "scale"_a,
+      "bits"_a,
+      "group"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "row_attention over packed quantized keys and values (cache.kv_quantized: uint32 "
+      "[B, G, T, W]), each row dequantized as it is read.");
   m.def("qpanel_isa", &mtp_native::qpanel_isa, "The quantized fast product's integer path.");
   m.def("attention_isa", &mtp_native::attention_isa, "The attention kernel path compiled in.");
   m.def("isa", &mtp_native::isa, "The kernel path compiled in: avx512, avx2 or portable.");

@@ -51,15 +51,46 @@ struct Problem {
   int B, H, G, L, T, D;
   float scale; // applied to q k^T (natural units)
   bool causal; // row i sits at position T - L + i and sees keys up to it
+  // 0: k and v are float rows. 4 or 8: they are packed quantized rows (cache.kv_quantized:
+  // D * bits / 8 bytes of integers, D / group float32 scales, D / group biases; strides
+  // still in 4-byte words), each key tile dequantized into the scratch before its use.
+  int bits = 0, group = 0;
 };
 
 // Per-thread buffers for one block.
 struct Scratch {
-  std::vector<float> qt, st, ot, m, l, alpha;
-  explicit Scratch(int D)
+  std::vector<float> qt, st, ot, m, l, alpha, kt, vt;
+  explicit Scratch(int D, bool quantized = false)
       : qt(size_t(D) * kRows), st(size_t(kKeys) * kRows), ot(size_t(D) * kRows), m(kRows),
-        l(kRows), alpha(kRows) {}
+        l(kRows), alpha(kRows), kt(quantized ? size_t(kKeys) * D : 0),
+        vt(quantized ? size_t(kKeys) * D : 0) {}
 };
+
+// Rows [0, w) of packed quantized rows (row stride `words` 4-byte words) as float rows
+// out[w][D]: scale * q + bias per group, MLX's dequantize (two roundings).
+inline void dequantize_rows(
+    const float* rows, int64_t words, int w, int D, int bits, int group, float* out) {
+  const int groups = D / group, qbytes = D * bits / 8;
+  for (int j = 0; j < w; ++j) {
+    const uint8_t* r = reinterpret_cast<const uint8_t*>(rows + j * words);
+    float* o = out + int64_t(j) * D;
+    for (int g = 0; g < groups; ++g) {
+      float scale, bias;
+      std::memcpy(&scale, r + qbytes + 4 * g, 4);
+      std::memcpy(&bias, r + qbytes + 4 * (groups + g), 4);
+      const int d0 = g * group;
+      if (bits == 8) {
+        for (int i = 0; i < group; ++i) o[d0 + i] = float(r[d0 + i]) * scale + bias;
+      } else {
+        const uint8_t* b = r + d0 / 2;
+        for (int i = 0; i < group / 2; ++i) {
+          o[d0 + 2 * i] = float(b[i] & 15) * scale + bias;
+          o[d0 + 2 * i + 1] = float(b[i] >> 4) * scale + bias;
+        }
+      }
+    }
+  }
+}
 
 constexpr float kP[7] = {
     1.0f,
@@ -275,7 +306,14 @@ inline void block(const Problem& p, int b, int h, int r0, Scratch& s) {
   const int64_t end = p.causal ? std::min<int64_t>(p.T, first + rows) : p.T;
   for (int64_t lo = 0; lo < end; lo += kKeys) {
     const int w = static_cast<int>(std::min<int64_t>(kKeys, end - lo));
-    scores(k + lo * p.k_t, p.k_t, w, qt, st, D);
+    const float *kl = k + lo * p.k_t, *vl = v + lo * p.v_t;
+    int64_t k_t = p.k_t, v_t = p.v_t;
+    if (p.bits) {
+      dequantize_rows(kl, k_t, w, D, p.bits, p.group, s.kt.data());
+      dequantize_rows(vl, v_t, w, D, p.bits, p.group, s.vt.data());
+      kl = s.kt.data(), vl = s.vt.data(), k_t = v_t = D;
+    }
+    scores(kl, k_t, w, qt, st, D);
     if (p.causal && lo + w - 1 > first) {
       // Key lo + j is hidden from rows i < lo + j - first.
       for (int j = 0; j < w; ++j) {
@@ -286,7 +324,7 @@ inline void block(const Problem& p, int b, int h, int r0, Scratch& s) {
     }
     softmax_tile(st, w, s.m.data(), s.l.data(), s.alpha.data());
     if (lo > 0) rescale(ot, s.alpha.data(), D);
-    values(v + lo * p.v_t, p.v_t, w, st, ot, D);
+    values(vl, v_t, w, st, ot, D);
   }
   float* out = p.out + ((int64_t(b) * p.H + h) * p.L + r0) * D;
   for (int i = 0; i < rows; ++i) {

@@ -13,6 +13,9 @@
 #include <vector>
 
 #include "flash.h"
+#if defined(__AVX512F__) && !defined(SMALLROW_PORTABLE)
+#include <immintrin.h>
+#endif
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -71,17 +74,82 @@ typedef int32_t I16 __attribute__((vector_size(64)));
   return p * scale;
 }
 
+// Rows of float32 keys or values: chunk c (lanes 16c .. 16c + 15) of row j.
+struct FloatRows {
+  const float* p;
+  int64_t s;
+  [[gnu::always_inline]] inline V16 load(int64_t j, int c) const {
+    return load16(p + j * s + 16 * c);
+  }
+};
+
+typedef uint8_t U8x8 __attribute__((vector_size(8)));
+typedef uint8_t U8x16 __attribute__((vector_size(16)));
+
+// Rows packed by cache.kv_quantized: D * Bits / 8 bytes of unsigned integers (mx.quantize's
+// order: value i in byte i at 8 bits, in the low nibble of byte i / 2 for even i at 4 bits),
+// then D / group float32 scales and D / group biases. A chunk lies inside one group (16
+// divides the group), and is dequantized as scale * q + bias (two roundings, as MLX's
+// dequantize): the float row the cache's dequantize gives.
+template <int Bits>
+struct QuantRows {
+  const uint8_t* p;
+  int64_t s;  // bytes between rows
+  int qbytes;  // D * Bits / 8
+  int groups;  // D / group
+  int group_shift;  // log2(group / 16): chunk c is in group c >> group_shift
+  [[gnu::always_inline]] inline V16 load(int64_t j, int c) const {
+    const uint8_t* r = p + j * s;
+    const int g = c >> group_shift;
+    float scale, bias;
+    std::memcpy(&scale, r + qbytes + 4 * g, 4);
+    std::memcpy(&bias, r + qbytes + 4 * (groups + g), 4);
+    return widen(r, c) * scale + bias;
+  }
+
+  // The 16 integers of chunk c as floats (exact: they are below 256).
+  [[gnu::always_inline]] static inline V16 widen(const uint8_t* r, int c) {
+#if defined(__AVX512F__) && !defined(SMALLROW_PORTABLE)
+    // GCC lowers the generic conversion below lane by lane; the intrinsics are one widening
+    // and one conversion (the same values).
+    __m128i u;
+    if constexpr (Bits == 8) {
+      u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * c));
+    } else {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 8 * c));
+      const __m128i nib = _mm_set1_epi8(15);
+      u = _mm_unpacklo_epi8(_mm_and_si128(b, nib), _mm_and_si128(_mm_srli_epi16(b, 4), nib));
+    }
+    V16 x;
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u));
+    std::memcpy(&x, &f, sizeof x);
+    return x;
+#else
+    U8x16 u;
+    if constexpr (Bits == 8) {
+      std::memcpy(&u, r + 16 * c, 16);
+    } else {
+      U8x8 b;
+      std::memcpy(&b, r + 8 * c, 8);
+      const U8x8 lo = b & 15, hi = b >> 4;
+      u = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    }
+    return __builtin_convertvector(u, V16);
+#endif
+  }
+};
+
 // Scores of keys [j, j + 16), times scale, key r in lane r (rows past n - 1 read the last
 // key again). C = D / 16 chunks of the head dimension, lane-wise products summed over the
 // chunks, then the folds: a key's score is the same bits in any block and at any lane.
-template <int C>
+template <int C, typename K>
 [[gnu::always_inline]] inline V16 score_block(
-    const V16* qv, const float* k, int64_t ks, int64_t j, int64_t n, float scale) {
+    const V16* qv, const K& k, int64_t j, int64_t n, float scale) {
   V16 a[16];
   for (int r = 0; r < 16; ++r) {
-    const float* kr = k + std::min<int64_t>(j + r, n - 1) * ks;
-    V16 acc = qv[0] * load16(kr);
-    for (int c = 1; c < C; ++c) acc += qv[c] * load16(kr + 16 * c);
+    const int64_t row = std::min<int64_t>(j + r, n - 1);
+    V16 acc = qv[0] * k.load(row, 0);
+    for (int c = 1; c < C; ++c) acc += qv[c] * k.load(row, c);
     a[r] = acc;
   }
   V16 b[8], c4[4], d2[2];
@@ -94,23 +162,22 @@ template <int C>
 // One query row against keys [0, n) of one group, D = 16 * C: out[D] = softmax(scale q k^T) v.
 // The weighted sum runs two accumulator sets (even and odd keys) so consecutive keys do not
 // wait on one another's additions; they are added once at the end.
-template <int C>
+template <int C, typename K>
 void attend_row_vec(
-    const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n, float scale,
-    float* scores, float* out) {
+    const float* q, const K& k, const K& v, int64_t n, float scale, float* scores, float* out) {
   V16 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
   V16 top = V16{} - INFINITY;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const V16 s = score_block<C>(qv, k, ks, j, n, scale);
+    const V16 s = score_block<C>(qv, k, j, n, scale);
     std::memcpy(scores + j, &s, sizeof s);
     top = top > s ? top : s;
   }
   float best = -INFINITY;
   for (int r = 0; r < 16; ++r) best = std::max(best, top[r]);
   if (j < n) {
-    const V16 s = score_block<C>(qv, k, ks, j, n, scale);
+    const V16 s = score_block<C>(qv, k, j, n, scale);
     for (int64_t r = 0; r < n - j; ++r) {
       scores[j + r] = s[r];
       best = std::max(best, s[r]);
@@ -129,15 +196,13 @@ void attend_row_vec(
   j = 0;
   for (; j + 2 <= n; j += 2) {
     const float p0 = scores[j], p1 = scores[j + 1];
-    const float* v0 = v + j * vs;
-    const float* v1 = v0 + vs;
     for (int c = 0; c < C; ++c) {
-      even[c] += p0 * load16(v0 + 16 * c);
-      odd[c] += p1 * load16(v1 + 16 * c);
+      even[c] += p0 * v.load(j, c);
+      odd[c] += p1 * v.load(j + 1, c);
     }
   }
   if (j < n)
-    for (int c = 0; c < C; ++c) even[c] += scores[j] * load16(v + j * vs + 16 * c);
+    for (int c = 0; c < C; ++c) even[c] += scores[j] * v.load(j, c);
   const float inv = 1.0f / total;
   for (int c = 0; c < C; ++c) {
     const V16 r = (even[c] + odd[c]) * inv;
@@ -177,23 +242,49 @@ void attend_row_scalar(
 void attend_row(
     const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n, int D,
     float scale, float* scores, float* out) {
+  const FloatRows kr{k, ks}, vr{v, vs};
   switch (D) {
     case 16:
-      return attend_row_vec<1>(q, k, ks, v, vs, n, scale, scores, out);
+      return attend_row_vec<1>(q, kr, vr, n, scale, scores, out);
     case 32:
-      return attend_row_vec<2>(q, k, ks, v, vs, n, scale, scores, out);
+      return attend_row_vec<2>(q, kr, vr, n, scale, scores, out);
     case 64:
-      return attend_row_vec<4>(q, k, ks, v, vs, n, scale, scores, out);
+      return attend_row_vec<4>(q, kr, vr, n, scale, scores, out);
     case 80:
-      return attend_row_vec<5>(q, k, ks, v, vs, n, scale, scores, out);
+      return attend_row_vec<5>(q, kr, vr, n, scale, scores, out);
     case 96:
-      return attend_row_vec<6>(q, k, ks, v, vs, n, scale, scores, out);
+      return attend_row_vec<6>(q, kr, vr, n, scale, scores, out);
     case 128:
-      return attend_row_vec<8>(q, k, ks, v, vs, n, scale, scores, out);
+      return attend_row_vec<8>(q, kr, vr, n, scale, scores, out);
     case 256:
-      return attend_row_vec<16>(q, k, ks, v, vs, n, scale, scores, out);
+      return attend_row_vec<16>(q, kr, vr, n, scale, scores, out);
     default:
       return attend_row_scalar(q, k, ks, v, vs, n, D, scale, scores, out);
+  }
+}
+
+// The same over packed quantized rows (D a multiple of 16 up to 256, checked by the op).
+template <int Bits>
+void attend_qrow(
+    const float* q, const QuantRows<Bits>& k, const QuantRows<Bits>& v, int64_t n, int D,
+    float scale, float* scores, float* out) {
+  switch (D / 16) {
+    case 1:
+      return attend_row_vec<1>(q, k, v, n, scale, scores, out);
+    case 2:
+      return attend_row_vec<2>(q, k, v, n, scale, scores, out);
+    case 4:
+      return attend_row_vec<4>(q, k, v, n, scale, scores, out);
+    case 5:
+      return attend_row_vec<5>(q, k, v, n, scale, scores, out);
+    case 6:
+      return attend_row_vec<6>(q, k, v, n, scale, scores, out);
+    case 8:
+      return attend_row_vec<8>(q, k, v, n, scale, scores, out);
+    case 16:
+      return attend_row_vec<16>(q, k, v, n, scale, scores, out);
+    default:
+      return;  // refused by row_attention_quantized
   }
 }
 
@@ -259,6 +350,122 @@ bool RowAttention::is_equivalent(const mx::Primitive& other) const {
 }
 
 std::vector<mx::Shape> RowAttention::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
+}
+
+
+namespace {
+
+// A [B, G, T, W] uint32 operand as a byte pointer and the byte strides of its first three dims
+// (rows of W contiguous words), copied dense into `buf` when its rows are not contiguous.
+struct Bytes4 {
+  const uint8_t* data;
+  int64_t s0, s1, s2;
+};
+
+Bytes4 bytes4(
+    const uint32_t* ptr, const mx::Shape& shape, const mx::Strides& st,
+    std::vector<uint32_t>& buf) {
+  if (shape[3] <= 1 || st[3] == 1)
+    return {reinterpret_cast<const uint8_t*>(ptr), 4 * st[0], 4 * st[1], 4 * st[2]};
+  const int64_t W = shape[3], T = shape[2], G = shape[1];
+  buf.resize(static_cast<size_t>(shape[0] * G * T * W));
+  uint32_t* d = buf.data();
+  for (int64_t b = 0; b < shape[0]; ++b)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t w = 0; w < W; ++w)
+          *d++ = ptr[b * st[0] + g * st[1] + t * st[2] + w * st[3]];
+  return {reinterpret_cast<const uint8_t*>(buf.data()), 4 * G * T * W, 4 * T * W, 4 * W};
+}
+
+template <int Bits>
+void run_quantized(
+    const Rows4& qo, const Bytes4& ko, const Bytes4& vo, float* y, int B, int H, int L, int D,
+    int G, int64_t T, int group, float log2_scale) {
+  int shift = 0;
+  while ((16 << shift) < group) ++shift;
+  const int qbytes = D * Bits / 8, groups = D / group;
+  std::vector<float> scores(static_cast<size_t>(T));
+  const int per_group = H / G;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const int g = h / per_group;
+      const QuantRows<Bits> kr{ko.data + b * ko.s0 + g * ko.s1, ko.s2, qbytes, groups, shift};
+      const QuantRows<Bits> vr{vo.data + b * vo.s0 + g * vo.s1, vo.s2, qbytes, groups, shift};
+      for (int i = 0; i < L; ++i) {
+        const float* qi = qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2;
+        float* yi = y + ((static_cast<int64_t>(b) * H + h) * L + i) * D;
+        attend_qrow<Bits>(qi, kr, vr, T - L + i + 1, D, log2_scale, scores.data(), yi);
+      }
+    }
+}
+
+} // namespace
+
+mx::array row_attention_quantized(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    int bits,
+    int group,
+    mx::StreamOrDevice s) {
+  if (q.dtype() != mx::float32 || q.ndim() != 4) fail("q must be a float32 4-D array");
+  for (const auto* a : {&k, &v})
+    if (a->dtype() != mx::uint32 || a->ndim() != 4) fail("k and v must be uint32 4-D arrays");
+  if (k.shape() != v.shape()) fail("k and v must have one shape");
+  if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
+  if (group != 32 && group != 64 && group != 128) fail("group must be 32, 64 or 128");
+  const int D = q.shape(3);
+  if (D % 16 || D > 256 || D / 16 == 3 || D / 16 == 7 || (D / 16 > 8 && D != 256))
+    fail("the head dimension must be 16, 32, 64, 80, 96, 128 or 256");
+  if (D % group) fail("the head dimension must be a multiple of the group");
+  if (k.shape(3) != D * bits / 32 + 2 * (D / group)) fail("packed rows do not match D, bits, group");
+  const int H = q.shape(1), G = k.shape(1);
+  if (q.shape(0) != k.shape(0) || G == 0 || H % G) fail("q [B, H, L, D] and k [B, G, T, W] do not match");
+  if (q.shape(2) > k.shape(2)) fail("more query rows than keys");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) fail("runs on a CPU stream only");
+  return mx::array(
+      q.shape(), mx::float32,
+      std::make_shared<QuantizedRowAttention>(stream, scale, bits, group), {q, k, v});
+}
+
+void QuantizedRowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& q = inputs[0];
+  const auto& k = inputs[1];
+  const auto& v = inputs[2];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : {q, k, v}) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int G = k.shape(1);
+  const int64_t T = k.shape(2);
+  encoder.dispatch([qp = q.data<float>(), qsh = q.shape(), qst = q.strides(),
+                    kp = k.data<uint32_t>(), ksh = k.shape(), kst = k.strides(),
+                    vp = v.data<uint32_t>(), vst = v.strides(), y = out.data<float>(), B, H, L,
+                    D, G, T, scale = scale_, bits = bits_, group = group_]() {
+    std::vector<float> qbuf;
+    std::vector<uint32_t> kbuf, vbuf;
+    const Rows4 qo = rows4(qp, qsh, qst, qbuf);
+    const Bytes4 ko = bytes4(kp, ksh, kst, kbuf);
+    const Bytes4 vo = bytes4(vp, ksh, vst, vbuf);
+    const float log2_scale = scale * 1.4426950408889634f; // scores in log2 units
+    if (bits == 8)
+      run_quantized<8>(qo, ko, vo, y, B, H, L, D, G, T, group, log2_scale);
+    else
+      run_quantized<4>(qo, ko, vo, y, B, H, L, D, G, T, group, log2_scale);
+  });
+}
+
+bool QuantizedRowAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedRowAttention&>(other);
+  return scale_ == o.scale_ && bits_ == o.bits_ && group_ == o.group_;
+}
+
+std::vector<mx::Shape> QuantizedRowAttention::output_shapes(const std::vector<mx::array>& inputs) {
   return {inputs[0].shape()};
 }
 

@@ -36,4 +36,33 @@ class RowAttention : public InferencePrimitive {
   float scale_;
 };
 
+// The same over a cache.kv_quantized packed cache: k, v uint32 [B, G, T, W] with
+// W = D * bits / 32 + 2 * D / group (bits 4 or 8, group 32, 64 or 128; D a multiple of 16 up
+// to 256), each key and value dequantized chunk by chunk as it is read (no float copy).
+mx::array row_attention_quantized(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    int bits,
+    int group,
+    mx::StreamOrDevice s = {});
+
+class QuantizedRowAttention : public InferencePrimitive {
+ public:
+  QuantizedRowAttention(mx::Stream stream, float scale, int bits, int group)
+      : InferencePrimitive(stream), scale_(scale), bits_(bits), group_(group) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "QuantizedRowAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  int bits_, group_;
+};
+
 } // namespace mtp_native
