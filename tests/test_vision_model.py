@@ -19,8 +19,8 @@ import pytest
 from drafting.session import DraftSession, Proposal
 from protocol.requests import Completion, Options
 from runner.engine import Engine, EngineOptions
-from runner.prepare import RequestError
 from runner.images import prompt_positions
+from runner.prepare import RequestError
 from tests.test_engine import complete
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "reference" / "vision" / "qwen3_5_vision"
