@@ -77,16 +77,25 @@ class ThreadChoice:
     median layer switches the choice (and the next chunk probes again), one that is not
     doubles the interval to the next probe, up to ``MAX_INTERVAL`` chunks. Both ways compute
     the same bits (oneMKL's products here do not depend on the thread count; a test checks
-    it), so the choice moves speed only. Only where the runner sets MKL's thread counts."""
+    it), so the choice moves speed only. Only where the runner sets MKL's thread counts.
+
+    A model fed a whole chunk at a time (no layer hook: a recurrent state cannot drop half a
+    chunk) probes with a whole chunk instead, its seconds per row against those of recent
+    chunks of a like size run the chosen way (``chunk_probe`` / ``chunk_done``)."""
 
     PROBE_LAYER = 1
     MARGIN = 0.85
     MAX_INTERVAL = 16
+    # Chunk probes: chunks shorter than this are not timed (fixed costs dominate them), and a
+    # probe is compared only with recent chunks of at least half and at most twice its rows.
+    CHUNK_ROWS = 64
+    CHUNKS_KEPT = 4
 
     def __init__(self) -> None:
         self.wide = True
         self.interval = 1
         self.countdown = 1  # chunks until the next probe
+        self.recent: list[tuple[int, float]] = []  # (rows, seconds per row) run the chosen way
 
     def next_probe(self, layers: int) -> int | None:
         """The layer of the next chunk that runs the other way, or None."""
@@ -101,9 +110,32 @@ class ThreadChoice:
         if probe < self.MARGIN * statistics.median(others):
             self.wide = not self.wide
             self.interval = 1
+            self.recent.clear()  # timed the other way
         else:
             self.interval = min(2 * self.interval, self.MAX_INTERVAL)
         self.countdown = self.interval
+
+    def _like(self, rows: int) -> list[float]:
+        return [per_row for n, per_row in self.recent if rows <= 2 * n and n <= 2 * rows]
+
+    def chunk_probe(self, rows: int) -> bool:
+        """Whether a whole chunk of ``rows`` rows runs the other way (a probe): due, long
+        enough to time, and with a recent chunk of a like size to compare it with."""
+        counts = blas.thread_counts()
+        if counts is None or counts[0] == counts[1] or rows < self.CHUNK_ROWS:
+            return False
+        return self.countdown <= 1 and bool(self._like(rows))
+
+    def chunk_done(self, rows: int, seconds: float, probed: bool) -> None:
+        """Record a whole chunk's time: a probe settles the choice, a chunk run the chosen
+        way becomes a reference and counts down to the next probe."""
+        if rows < self.CHUNK_ROWS:
+            return
+        if probed:
+            self.settle(seconds / rows, self._like(rows))
+            return
+        self.recent = [*self.recent, (rows, seconds / rows)][-self.CHUNKS_KEPT :]
+        self.countdown = max(self.countdown - 1, 1)
 
 
 THREADS = ThreadChoice()
@@ -268,9 +300,13 @@ class ChunkedPrefill:
                 mx.eval(hidden, [c.state for c in caches])
                 poll.settle()
             else:
-                with chosen_threads():
+                rows = ids.shape[0]
+                probe = THREADS.chunk_probe(rows)
+                started = time.perf_counter()
+                with blas.wide() if THREADS.wide != probe else contextlib.nullcontext():
                     hidden = model.hidden(ids[None], caches)
                     mx.eval(hidden, [c.state for c in caches])
+                THREADS.chunk_done(rows, time.perf_counter() - started, probe)
         except _CancelledInChunk:
             self.rewind()
             raise Cancelled(self.position) from None

@@ -494,3 +494,68 @@ def test_fast_silu_matches_nn_silu_on_long_feeds_and_is_unused_on_short_ones():
         activations.silu_mul(short, up[: rows - 1]), nn.silu(short) * up[: rows - 1]
     )
     assert not activations.serves(x.astype(mx.bfloat16))
+
+
+def test_whole_chunk_probes_compare_chunks_of_a_like_size(monkeypatch):
+    from runner import blas
+
+    monkeypatch.setattr(blas, "thread_counts", lambda: (1, 2))
+    choice = prefilling.ThreadChoice()
+    assert not choice.chunk_probe(512)  # nothing timed yet to compare a probe with
+    choice.chunk_done(512, 1.0, probed=False)
+    assert not choice.chunk_probe(100)  # no recent chunk of a like size
+    assert not choice.chunk_probe(32)  # too short to time
+    assert choice.chunk_probe(400)
+    choice.chunk_done(400, 0.4, probed=True)  # 1 ms a row against 2: switch to narrow
+    assert not choice.wide and not choice.chunk_probe(512)  # the wide times no longer count
+    plan = []
+    for _ in range(20):  # probes that change nothing come at doubling intervals
+        probe = choice.chunk_probe(512)
+        plan.append(probe)
+        choice.chunk_done(512, 1.0, probed=probe)
+    assert not choice.wide
+    assert [i for i, p in enumerate(plan) if p] == [1, 3, 7, 15]
+    monkeypatch.setattr(blas, "thread_counts", lambda: None)
+    assert not choice.chunk_probe(512)  # a BLAS the runner does not set
+
+
+def test_a_model_without_the_layer_hook_probes_a_whole_chunk_with_the_same_bits(monkeypatch):
+    """The hybrid is fed whole chunks: its second timed chunk runs the other way, and every
+    way of running the chunks leaves the same hidden rows and recurrent states."""
+    from pathlib import Path
+
+    from runner import blas
+
+    counts = blas.thread_counts()
+    if counts is None or counts[0] == counts[1]:
+        pytest.skip("the runner does not set this BLAS's thread count, or there is one core")
+    case = Path(__file__).resolve().parent / "fixtures" / "reference" / "hybrid" / "qwen3_5_text"
+    model = load_model(str(case), dtype="float32").model
+    assert not prefilling.takes_layer_hook(model)
+    tokens = prompt(3 * 96, seed=4)
+    real_wide, widths = blas.wide, []
+
+    def wide():
+        widths.append(len(rows))
+        return real_wide()
+
+    def run(wide: bool | None) -> list[np.ndarray]:
+        """Every chunk ``wide`` (or narrow), or as a fresh choice probes (None)."""
+        rows.clear()
+        widths.clear()
+        monkeypatch.setattr(prefilling, "THREADS", prefilling.ThreadChoice())
+        if wide is not None:
+            prefilling.THREADS.wide = wide
+            monkeypatch.setattr(prefilling.THREADS, "chunk_probe", lambda rows: False)
+        caches = model.make_caches()
+        prefill(model, caches, tokens, 0, chunk=96, on_commit=lambda ids, h, p: rows.append(h))
+        return [np.array(h) for h in rows] + [np.array(s) for c in caches for s in c.state]
+
+    rows: list[mx.array] = []
+    monkeypatch.setattr(prefilling.blas, "wide", wide)
+    probed = run(None)
+    assert widths[0] == 0 and 1 not in widths  # chunk 0 wide, chunk 1 the probe: narrow
+    assert run(True) and widths == [0, 1, 2]
+    for way in (True, False):
+        for a, b in zip(probed, run(way), strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -25,12 +25,11 @@ from tests.test_engine import complete
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "reference" / "vision" / "qwen3_5_vision"
 CASES = ["one", "two", "chunk", "text"]
+# Every prompt row (image rows and the rows after them included) and every decode step. Image
+# rows also carry the tower's float32 rounding (features about 4e-7 off their float64 values, in
+# the runner as in transformers), which the random text stack grows to a few 1e-5 in the logits;
+# the fixture draws its final norm gain around 1 (logits near 8) so that stays inside the bound.
 ATOL = 1e-4
-# Every prompt row, image rows included: this tiny random model amplifies its feature rows'
-# rounding (noise of 5e-7 on transformers' own features moves these logits by 3.5e-4, and its
-# own scatter path differs from its pixel path by 4e-5), so rows inside and right after an
-# image get a looser bound than the logits that choose tokens.
-ROWS_ATOL = 1e-3
 GREEDY = {"temperature": 0.0, "repeat_penalty": 1.0}
 
 
@@ -118,9 +117,8 @@ def test_logits_match_transformers_whole_and_in_chunks(engine, case):
     cuts += [(s["pads"][0] + s["pads"][1]) // 2 for s in spans]  # inside every image
     for chunks in ([], sorted(set(cuts))):
         rows, decoded = prompt_logits(engine, case, chunks)
-        assert np.abs(rows[-1] - want[-1]).max() < ATOL  # the row the first token comes from
+        assert np.abs(rows - want).max() < ATOL  # every prompt row, the image's included
         assert np.abs(decoded - steps).max() < ATOL  # decoding at p + delta
-        assert np.abs(rows - want).max() < ROWS_ATOL
 
 
 @pytest.mark.parametrize("case", CASES)

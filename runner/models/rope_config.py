@@ -37,7 +37,6 @@ from runner.models.config_errors import malformed, refuse
 DEFAULT_THETA = 10000.0
 # rope_type -> the keys transformers' validation knows for it (besides rope_type / type /
 # rope_theta / partial_rotary_factor); freq_factors is GGUF's (runner.gguf: per-pair divisors).
-# fmt: off
 ROPE_KEYS: dict[str, frozenset[str]] = {
     "default": frozenset(),
     "linear": frozenset({"factor"}),
@@ -46,16 +45,28 @@ ROPE_KEYS: dict[str, frozenset[str]] = {
         {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     ),
     "yarn": frozenset(
-        {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
-         "beta_slow", "mscale", "mscale_all_dim", "truncate"}
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
     ),
     "longrope": frozenset(
-        {"short_factor", "long_factor", "original_max_position_embeddings", "factor",
-         "attention_factor"}
+        {
+            "short_factor",
+            "long_factor",
+            "original_max_position_embeddings",
+            "factor",
+            "attention_factor",
+        }
     ),
     "freq_factors": frozenset({"factors"}),
 }
-# fmt: on
 ROPE_TYPES = tuple(ROPE_KEYS)
 _ORIGINAL_MAX_TYPES = ("llama3", "yarn", "longrope")
 

@@ -56,22 +56,32 @@ VLM_PYTHON = os.path.join(VLM_VENV, "bin", "python")
 VLM_SPEC = "mlx-vlm==0.7.10"
 DEFAULT_DIR = os.path.join(bc.RESULTS_DIR, "vision-0.8b-random")
 FIXTURE = os.path.join(bc.ROOT, "tests", "fixtures", "reference", "vision", "qwen3_5_vision")
-# fmt: off
 VISION = {  # the released Qwen3.5-0.8B's vision_config
-    "model_type": "qwen3_5", "depth": 12, "hidden_size": 768, "num_heads": 12,
-    "intermediate_size": 3072, "out_hidden_size": hybrid.SHAPE["hidden_size"], "patch_size": 16,
-    "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3,
-    "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh",
+    "model_type": "qwen3_5",
+    "depth": 12,
+    "hidden_size": 768,
+    "num_heads": 12,
+    "intermediate_size": 3072,
+    "out_hidden_size": hybrid.SHAPE["hidden_size"],
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "in_channels": 3,
+    "num_position_embeddings": 2304,
+    "hidden_act": "gelu_pytorch_tanh",
     "deepstack_visual_indexes": [],
 }
 TOKENS = {"vision_start_token_id": 320, "vision_end_token_id": 321, "image_token_id": 322}
 PREPROCESSOR = {  # the released preprocessor_config.json's values
-    "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
-    "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor",
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessor",
     "processor_class": "Qwen3VLProcessor",
 }
-# fmt: on
 SIZES = ((448, 448), (1024, 768))  # width x height
 RUNNER, NARROW, VLM = "runner", "runner, MKL 1", "mlx-vlm"
 SIDES = (RUNNER, NARROW, VLM)
@@ -197,8 +207,12 @@ def runner_worker(directory: str) -> None:
         prepare_s = time.perf_counter() - t0
         engine.run(prepared, emit, lambda: False)
         total = first[0] if first else time.perf_counter() - t0
-        return {"prepare_s": prepare_s, "model_s": done["prompt_eval_s"], "total_s": total,
-                "prompt_tokens": done["tokens"]}  # fmt: skip
+        return {
+            "prepare_s": prepare_s,
+            "model_s": done["prompt_eval_s"],
+            "total_s": total,
+            "prompt_tokens": done["tokens"],
+        }
 
     info = {"blas": runner.blas.blas_in_use(), "tuning": engine.tuning.describe()}
     bc.serve_worker(info, lambda c: encode(c) if c["op"] == "encode" else first_token(c))
@@ -259,8 +273,11 @@ def vlm_worker(directory: str) -> None:
             if first is None:
                 first = time.perf_counter() - t0
             last = response
-        return {"model_s": last.prompt_tokens / last.prompt_tps, "total_s": first,
-                "prompt_tokens": last.prompt_tokens}  # fmt: skip
+        return {
+            "model_s": last.prompt_tokens / last.prompt_tps,
+            "total_s": first,
+            "prompt_tokens": last.prompt_tokens,
+        }
 
     info = {
         "blas": f"{blas.blas_in_use()}, MKL_NUM_THREADS={os.environ['MKL_NUM_THREADS']}",
@@ -396,8 +413,16 @@ def report(args, directory, checks, runs, info, loads, elapsed) -> None:
                     f"{t['attention_share']:.0%}" if side != VLM else "",
                 ]
             )
-    headers = ["image, patches / tokens", "side", "encode ms", "mlx-vlm / it",
-               "first token ms", "mlx-vlm / it", "model part ms", "attention"]  # fmt: skip
+    headers = [
+        "image, patches / tokens",
+        "side",
+        "encode ms",
+        "mlx-vlm / it",
+        "first token ms",
+        "mlx-vlm / it",
+        "model part ms",
+        "attention",
+    ]
     print()
     print(bc.markdown_table(headers, rows))
     print()
