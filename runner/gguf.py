@@ -6,7 +6,8 @@
 of llama Q/K projections for interleaved RoPE; we undo that so every model in memory has the
 Hugging Face layout (rotate-half RoPE), whatever file it came from. The Gemma 2 / Gemma 3,
 Phi-3, Qwen3-MoE and GLM-4.5 families are mapped by ``runner.gguf_families``, the Qwen3.5
-hybrids (dense and MoE) and Qwen3-Next by ``runner.gguf_hybrid``; SentencePiece BPE
+hybrids (dense and MoE) and Qwen3-Next by ``runner.gguf_hybrid``, llama.cpp's ``deepseek2``
+(DeepSeek-V3, GLM-4.7-Flash) by ``runner.gguf_mla``; SentencePiece BPE
 vocabularies (``llama`` tokenizer model) are built by ``runner.gguf_tokenizer``.
 """
 
@@ -19,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture, UnsupportedTokenizer
-from runner import chat_template, gguf_families, gguf_hybrid
+from runner import chat_template, gguf_families, gguf_hybrid, gguf_mla
 from runner.chat_template import ChatTemplate
 from runner.gguf_tensors import FORMATS, GGUFQuantized, open_gguf, read_tensor
 from runner.gguf_tokenizer import spm_hf_tokenizer
@@ -31,7 +32,10 @@ GROUP_SIZE = 32
 Tensor = mx.array | GGUFQuantized
 Progress = Callable[[str, int, int], None]
 LLAMA_ARCHS = ("llama", "qwen2", "qwen3")
-SUPPORTED_ARCHS = LLAMA_ARCHS + gguf_families.ARCHS + gguf_hybrid.ARCHS
+SUPPORTED_ARCHS = LLAMA_ARCHS + gguf_families.ARCHS + gguf_hybrid.ARCHS + gguf_mla.ARCHS
+# Stacked quantized tensors ``[N, out, in]`` read as N matrices: routed experts, and the
+# per-head halves of an MLA ``kv_b_proj`` (``runner.gguf_mla``).
+_STACKED = ("_exps.weight", ".attn_k_b.weight", ".attn_v_b.weight")
 # Control tokens llama.cpp also ends generation on, by their text (its end-of-generation
 # list): a chat model's end of turn is often not the file's eos_token_id.
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>")
@@ -86,17 +90,17 @@ def _scalar(v):
 
 def read_gguf(path: str) -> tuple[dict[str, Tensor | list[GGUFQuantized]], dict]:
     """``(tensors, metadata)`` of a GGUF file, as ``runner.gguf_tensors.read_gguf_file`` reads
-    them, except stacked quantized experts (``*_exps``, ``[E, out, in]``): a list of E lazy
-    ``GGUFQuantized`` matrices, views of the one block array (an expert's rows are whole
-    blocks), which ``runner.gguf_families`` dequantizes."""
+    them, except stacked quantized tensors (experts ``*_exps``, MLA's ``attn_k_b`` /
+    ``attn_v_b``; ``[N, out, in]``): a list of N lazy ``GGUFQuantized`` matrices, views of the
+    one block array (a matrix's rows are whole blocks), which the family mappings dequantize."""
     reader, metadata = open_gguf(path)
     tensors: dict = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        if kind in FORMATS and len(t.shape) == 3 and t.name.endswith("_exps.weight"):
-            experts, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
-            blocks = t.data.reshape(experts, rows, -1)
-            tensors[t.name] = [GGUFQuantized(kind, (rows, cols), blocks[e]) for e in range(experts)]
+        if kind in FORMATS and len(t.shape) == 3 and t.name.endswith(_STACKED):
+            count, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+            blocks = t.data.reshape(count, rows, -1)
+            tensors[t.name] = [GGUFQuantized(kind, (rows, cols), blocks[i]) for i in range(count)]
         else:
             tensors[t.name] = read_tensor(t, path)
     return tensors, metadata
@@ -119,6 +123,8 @@ def gguf_config(meta: dict, path: str) -> dict:
         gguf_families.refuse_unknown_keys(arch, meta, path)
     elif arch in gguf_hybrid.ARCHS:
         gguf_hybrid.refuse_unknown_keys(arch, meta, path)
+    elif arch in gguf_mla.ARCHS:
+        gguf_mla.refuse_unknown_keys(arch, meta, path)
     try:
         heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
@@ -144,11 +150,13 @@ def gguf_config(meta: dict, path: str) -> dict:
         gguf_families.family_config(arch, config, get, path)
     elif arch in gguf_hybrid.ARCHS:
         gguf_hybrid.family_config(arch, config, get, path)
-    else:
-        _llama_config(arch, config, get, path)
     vocab = get("vocab_size")
     tokens = meta.get("tokenizer.ggml.tokens")
     config["vocab_size"] = int(vocab) if vocab is not None else len(tokens or [])
+    if arch in gguf_mla.ARCHS:
+        gguf_mla.family_config(arch, config, get, path, config["vocab_size"])
+    elif arch in LLAMA_ARCHS:
+        _llama_config(arch, config, get, path)
     return config
 
 
@@ -198,6 +206,8 @@ def map_gguf_tensors(
         return gguf_families.map_family_tensors(arch, weights, config)
     if arch in gguf_hybrid.ARCHS:
         return gguf_hybrid.map_hybrid_tensors(arch, weights, config)
+    if arch in gguf_mla.ARCHS:
+        return gguf_mla.map_mla_tensors(arch, weights, config)
     out: dict[str, Tensor] = {}
     for name, w in weights.items():
         if isinstance(w, list):  # stacked quantized experts (read_gguf): no such blocks here

@@ -1,6 +1,7 @@
 """Greedy tokens and tokenization of the runner and of llama.cpp on the GGUF files the tests
 write: Gemma 2 / Gemma 3 / Phi-3 / Qwen3-MoE (``tests/test_gguf_families.py``), the Qwen3.5
-hybrids, Qwen3-Next and GLM-4.5 (``tests/test_gguf_hybrid.py``).
+hybrids, Qwen3-Next and GLM-4.5 (``tests/test_gguf_hybrid.py``), llama.cpp's ``deepseek2``
+(DeepSeek-V3, GLM-4.7-Flash; ``tests/test_gguf_mla.py``).
 
 Each family's tiny random checkpoint (Q4_K / Q6_K tensors, F32 norms, a SentencePiece BPE
 vocabulary) is loaded by the runner kept quantized with exact products, and by llama.cpp
@@ -76,6 +77,7 @@ def main() -> int:
 
     from runner.models.layers import set_exact_products
     from tests import test_gguf_hybrid as hybrid
+    from tests import test_gguf_mla as mla
     from tests.test_gguf_families import FAMILIES, PROMPT, varied_strings, write_pair
     from tests.test_gguf_models import greedy, logits, tuned
 
@@ -88,6 +90,7 @@ def main() -> int:
     }
     writers |= {case: lambda d, c=case: hybrid.write_pair(d, c)[1] for case in hybrid.CASES}
     writers["glm4moe"] = lambda d: hybrid.write_glm_pair(d)[1]
+    writers |= {f"deepseek2 {c}": lambda d, c=c: mla.write_pair(d, c)[1] for c in mla.CASES}
 
     python = ensure_llama_venv(args.skip_build)
     set_exact_products(True)
