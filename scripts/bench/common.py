@@ -286,6 +286,66 @@ def engine_worker(model_path: str, engine_options: dict) -> None:
     serve_worker({"blas": runner.blas.blas_in_use(), "model": engine.info.model}, handle)
 
 
+# ----------------------------------------------------------------------------- random checkpoints
+def write_word_tokenizer(directory: str, vocab_size: int, eos: str) -> None:
+    """A word-level tokenizer over a random checkpoint's whole vocabulary (``t0``, ``t1``,
+    ...; id 2 is ``eos``): the runner's loader wants one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    vocab[eos] = 2
+    del vocab["t2"]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    meta = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "bos_token": None,
+        "add_bos_token": False,
+    }
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+
+
+def random_prompt(length: int, vocab_size: int, seed: int = 7) -> list[int]:
+    """Token ids for a random checkpoint (ids 0-2 are left to the special tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab_size) for _ in range(length)]
+
+
+def runner_and_mlx_lm(script: str, directory: str, name: str, python: str) -> dict[str, Worker]:
+    """The two sides of a benchmark against mlx-lm: ``script --runner-worker DIR`` here and
+    ``script --mlx-lm-worker DIR`` under ``python`` (a venv with mlx-lm), logs named after
+    ``name``."""
+    if not os.path.exists(python):
+        raise SystemExit(f"{python} (a venv with mlx-lm) is missing")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    here = os.path.abspath(script)
+    return {
+        "runner": Worker(
+            [sys.executable, here, "--runner-worker", directory], f"{name}-runner.log", env=env
+        ),
+        "mlx-lm": Worker(
+            [python, here, "--mlx-lm-worker", directory], f"{name}-mlx-lm.log", env=env
+        ),
+    }
+
+
+def generation_summary(reply: dict, prompt_len: int) -> dict:
+    """A worker's generate reply as rates: prefill and decode tokens per second, the ids."""
+    if "error" in reply:
+        raise SystemExit(reply["error"])
+    return {
+        "ids": flatten_ids(reply["tokens"]),
+        "prefill_tps": prompt_len / reply["prefill_s"],
+        "decode_tps": interval_rate(reply["tokens"]),
+        "load": machine_load(),
+    }
+
+
 # ----------------------------------------------------------------------------- token timing
 def flatten_ids(tokens: Sequence[tuple[float, list[int]]]) -> list[int]:
     return [i for _, ids in tokens for i in ids]

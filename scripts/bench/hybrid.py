@@ -155,37 +155,10 @@ def make_checkpoint(directory: str) -> str:
     mx.eval(weights)
     mx.save_safetensors(os.path.join(directory, "model.safetensors"), weights)
     del weights
-    write_tokenizer(directory)
+    bc.write_word_tokenizer(directory, SHAPE["vocab_size"], "<|im_end|>")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return directory
-
-
-def write_tokenizer(directory: str) -> None:
-    """A word-level tokenizer over the whole vocabulary (the runner's loader wants one)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"t{i}": i for i in range(SHAPE["vocab_size"])}
-    vocab["<|im_end|>"] = 2
-    del vocab["t2"]
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    meta = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "bos_token": None,
-        "add_bos_token": False,
-    }
-    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f)
-
-
-def bench_prompt(length: int) -> list[int]:
-    import random
-
-    rng = random.Random(7)
-    return [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(length)]
 
 
 # ----------------------------------------------------------------------------- runner side
@@ -307,31 +280,6 @@ def mlx_lm_worker(directory: str) -> None:
 
 
 # ----------------------------------------------------------------------------- main
-def start(directory: str) -> dict:
-    here = os.path.abspath(__file__)
-    env = dict(os.environ, PYTHONPATH=bc.ROOT)
-    ref_python = os.path.join(REF_VENV, "bin", "python")
-    if not os.path.exists(ref_python):
-        raise SystemExit(f"mlx-lm's venv {REF_VENV} is missing (scripts/reference_env.sh)")
-    return {
-        "runner": bc.Worker(
-            [sys.executable, here, "--runner-worker", directory], "hybrid-runner.log", env=env
-        ),
-        "mlx-lm": bc.Worker(
-            [ref_python, here, "--mlx-lm-worker", directory], "hybrid-mlx-lm.log", env=env
-        ),
-    }
-
-
-def summarize(reply: dict, prompt_len: int) -> dict:
-    return {
-        "ids": bc.flatten_ids(reply["tokens"]),
-        "prefill_tps": prompt_len / reply["prefill_s"],
-        "decode_tps": bc.interval_rate(reply["tokens"]),
-        "load": bc.machine_load(),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="timed runs per side")
@@ -352,8 +300,10 @@ def main() -> int:
 
     started = time.perf_counter()
     directory = make_checkpoint(os.path.abspath(args.dir))
-    prompt = bench_prompt(args.prompt)
-    sides = start(directory)
+    prompt = bc.random_prompt(args.prompt, SHAPE["vocab_size"])
+    sides = bc.runner_and_mlx_lm(
+        __file__, directory, "hybrid", os.path.join(REF_VENV, "bin", "python")
+    )
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     seams: list[dict] = []
     try:
@@ -362,7 +312,7 @@ def main() -> int:
         for rep in range(args.reps):
             for side in SIDES:
                 reply = sides[side].call({"op": "generate", "prompt": prompt, "n": args.decode})
-                runs[side].append(summarize(reply, len(prompt)))
+                runs[side].append(bc.generation_summary(reply, len(prompt)))
                 r = runs[side][-1]
                 print(
                     f"rep {rep} {side:7s} prefill {r['prefill_tps']:7.1f} tok/s, decode "

@@ -164,37 +164,10 @@ def make_checkpoint(directory: str) -> str:
         mx.eval(weights)
     mx.save_safetensors(os.path.join(directory, "model.safetensors"), weights)
     del weights
-    write_tokenizer(directory)
+    bc.write_word_tokenizer(directory, SHAPE["vocab_size"], "<|endoftext|>")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return directory
-
-
-def write_tokenizer(directory: str) -> None:
-    """A word-level tokenizer over the whole vocabulary (the runner's loader wants one)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"t{i}": i for i in range(SHAPE["vocab_size"])}
-    vocab["<|endoftext|>"] = 2
-    del vocab["t2"]
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    meta = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "bos_token": None,
-        "add_bos_token": False,
-    }
-    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f)
-
-
-def bench_prompt(length: int) -> list[int]:
-    import random
-
-    rng = random.Random(7)
-    return [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(length)]
 
 
 def cache_row_bytes(pairs) -> int:
@@ -414,33 +387,6 @@ def llama_cpp_check(tokens: int) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- main
-def start(directory: str) -> dict:
-    here = os.path.abspath(__file__)
-    env = dict(os.environ, PYTHONPATH=bc.ROOT)
-    bench_python = os.path.join(bc.BENCH_VENV, "bin", "python")
-    if not os.path.exists(bench_python):
-        raise SystemExit(f"mlx-lm's venv {bc.BENCH_VENV} is missing")
-    return {
-        "runner": bc.Worker(
-            [sys.executable, here, "--runner-worker", directory], "mla-runner.log", env=env
-        ),
-        "mlx-lm": bc.Worker(
-            [bench_python, here, "--mlx-lm-worker", directory], "mla-mlx-lm.log", env=env
-        ),
-    }
-
-
-def summarize(reply: dict, prompt_len: int) -> dict:
-    if "error" in reply:
-        raise SystemExit(reply["error"])
-    return {
-        "ids": bc.flatten_ids(reply["tokens"]),
-        "prefill_tps": prompt_len / reply["prefill_s"],
-        "decode_tps": bc.interval_rate(reply["tokens"]),
-        "load": bc.machine_load(),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="timed runs per side")
@@ -465,8 +411,10 @@ def main() -> int:
     started = time.perf_counter()
     llama = llama_cpp_check(16) if args.llama_cpp else []
     directory = make_checkpoint(os.path.abspath(args.dir))
-    prompt = bench_prompt(args.prompt)
-    sides = start(directory)
+    prompt = bc.random_prompt(args.prompt, SHAPE["vocab_size"])
+    sides = bc.runner_and_mlx_lm(
+        __file__, directory, "mla", os.path.join(bc.BENCH_VENV, "bin", "python")
+    )
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     profiles: list[dict] = []
     try:
@@ -476,7 +424,7 @@ def main() -> int:
         for rep in range(args.reps):
             for side in SIDES:
                 reply = sides[side].call({"op": "generate", "prompt": prompt, "n": args.decode})
-                runs[side].append(summarize(reply, len(prompt)))
+                runs[side].append(bc.generation_summary(reply, len(prompt)))
                 r = runs[side][-1]
                 print(
                     f"rep {rep} {side:7s} prefill {r['prefill_tps']:7.1f} tok/s, decode "
