@@ -124,7 +124,7 @@ class RotatingKVCache(KVBuffers):
     transformers mask (``kv_idx > q_idx - sliding_window``) for Mistral, Qwen2, Phi-3 and the
     Gemmas alike. ``update_and_fetch`` appends ``L`` rows at ``offset`` and returns the keys of
     positions ``[max(0, offset - window + 1), offset + L)``, in order: the caller masks each row
-    to its own window (``runner.models.llama.window_mask``). A chunk longer than the window is
+    to its own window (``runner.models.attention.window_mask``). A chunk longer than the window is
     therefore handled like transformers does, attention over the whole chunk's keys, of which
     only the last ones are kept.
 

@@ -167,12 +167,33 @@ LAYER_NAMES = {
 Get = Callable[..., object]
 
 
-def refuse_unknown_keys(arch: str, meta: dict, path: str) -> None:
-    """Refuse, by name, any ``{arch}.*`` key this mapping does not read."""
-    known = COMMON_KEYS | _KEYS[arch]
+def refuse_unmapped(arch: str, meta: dict, known: frozenset[str] | set[str], path: str) -> None:
+    """Refuse, by name, any ``{arch}.*`` key of ``meta`` outside ``known`` (what a mapping
+    reads): a key it would ignore may change what the model computes."""
     for key, value in meta.items():
         if key.startswith(arch + ".") and key[len(arch) + 1 :] not in known:
             raise refuse(key, value, f"not mapped from GGUF for {arch}", path)
+
+
+def whole_number(arch: str, key: str, value: object, path: str, minimum: int = 0) -> int:
+    """``value`` of ``{arch}.{key}`` as an int: missing, not a whole number or below
+    ``minimum`` is a corrupt file, named."""
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or int(value) < minimum:
+        raise CorruptModelFile(f"missing or bad hyper-parameter {arch}.{key}: {value!r}", path=path)
+    return int(value)
+
+
+def hyper_int(
+    arch: str, get: Get, key: str, path: str, default: int | None = None, minimum: int = 0
+) -> int:
+    """The hyper-parameter ``{arch}.{key}`` (``default`` when the file has none) as an int
+    (:func:`whole_number`)."""
+    return whole_number(arch, key, get(key, default), path, minimum)
+
+
+def refuse_unknown_keys(arch: str, meta: dict, path: str) -> None:
+    refuse_unmapped(arch, meta, COMMON_KEYS | _KEYS[arch], path)
 
 
 def family_config(arch: str, config: dict, get: Get, path: str) -> dict:
@@ -258,22 +279,10 @@ def _phi3(config: dict, get: Get, head_dim: int, rotated, path: str) -> None:
         config["rope_scaling"] = {"rope_type": "longrope", "attention_factor": float(attn_factor)}
 
 
-def _required_int(arch: str, get: Get, key: str, path: str) -> int:
-    """A hyper-parameter the family cannot do without; a missing or non-integer one is a
-    corrupt file, named."""
-    value = get(key)
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise CorruptModelFile(
-            f"missing or bad hyper-parameter {arch}.{key}: {value!r}", path=path
-        ) from None
-
-
 def _qwen3moe(config: dict, get: Get, path: str) -> None:
-    experts = _required_int("qwen3moe", get, "expert_count", path)
-    used = _required_int("qwen3moe", get, "expert_used_count", path)
-    width = _required_int("qwen3moe", get, "expert_feed_forward_length", path)
+    experts = hyper_int("qwen3moe", get, "expert_count", path)
+    used = hyper_int("qwen3moe", get, "expert_used_count", path)
+    width = hyper_int("qwen3moe", get, "expert_feed_forward_length", path)
     shared = get("expert_shared_count")
     if shared:
         raise refuse("qwen3moe.expert_shared_count", shared, "qwen3_moe has no shared expert", path)
@@ -296,9 +305,9 @@ def _glm4moe(config: dict, get: Get, head_dim: int, rotated, path: str) -> None:
     if not isinstance(mtp, int) or not 0 <= mtp < blocks:
         raise malformed(f"{arch}.nextn_predict_layers", f"{mtp!r} of {blocks} blocks", path)
     config["num_hidden_layers"] = blocks - mtp  # the MTP layer is counted in block_count
-    config["n_routed_experts"] = _required_int(arch, get, "expert_count", path)
-    config["num_experts_per_tok"] = _required_int(arch, get, "expert_used_count", path)
-    config["moe_intermediate_size"] = _required_int(arch, get, "expert_feed_forward_length", path)
+    config["n_routed_experts"] = hyper_int(arch, get, "expert_count", path)
+    config["num_experts_per_tok"] = hyper_int(arch, get, "expert_used_count", path)
+    config["moe_intermediate_size"] = hyper_int(arch, get, "expert_feed_forward_length", path)
     gating = get("expert_gating_func")
     if gating is not None and int(gating) != _SIGMOID_GATING:
         raise refuse(f"{arch}.expert_gating_func", gating, "glm4_moe routes by sigmoid", path)

@@ -61,8 +61,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from protocol.errors import CorruptModelFile
-from runner.gguf_families import ATTENTION_NAMES
+from runner.gguf_families import ATTENTION_NAMES, hyper_int, refuse_unmapped
 from runner.gguf_families import COMMON_KEYS as COMMON_FAMILY_KEYS
 from runner.gguf_tensors import GGUFQuantized
 from runner.models.config import malformed, refuse
@@ -133,18 +132,11 @@ Get = Callable[..., object]
 
 
 def refuse_unknown_keys(arch: str, meta: dict, path: str) -> None:
-    """Refuse, by name, any ``{arch}.*`` key this mapping does not read."""
-    known = _KEYS[arch]
-    for key, value in meta.items():
-        if key.startswith(arch + ".") and key[len(arch) + 1 :] not in known:
-            raise refuse(key, value, f"not mapped from GGUF for {arch}", path)
+    refuse_unmapped(arch, meta, _KEYS[arch], path)
 
 
 def _int(arch: str, key: str, get: Get, path: str, default: int | None = None) -> int:
-    value = get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CorruptModelFile(f"missing or bad hyper-parameter {arch}.{key}: {value!r}", path=path)
-    return value
+    return hyper_int(arch, get, key, path, default, minimum=1)
 
 
 def family_config(arch: str, config: dict, get: Get, path: str) -> dict:

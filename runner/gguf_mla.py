@@ -61,6 +61,7 @@ import numpy as np
 
 from protocol.errors import CorruptModelFile
 from runner.gguf_families import COMMON_KEYS as COMMON_FAMILY_KEYS
+from runner.gguf_families import hyper_int, refuse_unmapped
 from runner.gguf_tensors import GGUFQuantized
 from runner.models.config import malformed, refuse
 from runner.quantized import affine_dense
@@ -126,17 +127,11 @@ Get = Callable[..., object]
 
 
 def refuse_unknown_keys(arch: str, meta: dict, path: str) -> None:
-    """Refuse, by name, any ``{arch}.*`` key this mapping does not read."""
-    for key, value in meta.items():
-        if key.startswith(arch + ".") and key[len(arch) + 1 :] not in KEYS:
-            raise refuse(key, value, f"not mapped from GGUF for {arch}", path)
+    refuse_unmapped(arch, meta, KEYS, path)
 
 
 def _int(arch: str, key: str, get: Get, path: str, default: int | None = None) -> int:
-    value = get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CorruptModelFile(f"missing or bad hyper-parameter {arch}.{key}: {value!r}", path=path)
-    return value
+    return hyper_int(arch, get, key, path, default)
 
 
 def family_config(arch: str, config: dict, get: Get, path: str, vocab: int) -> dict:

@@ -295,7 +295,7 @@ def test_rope_tables_rotate_like_mlx_fast_rope(scaling, traditional, kwargs, off
 
 def test_attention_masks_agree_with_mlx_attention(tiny_checkpoint):
     """The grouped attention (None / "causal" / a shared [L, T] mask) equals MLX's own."""
-    from runner.models.llama import causal_mask
+    from runner.models.attention import causal_mask
 
     model = load_model(tiny_checkpoint).model
     attn = model.layers[0].self_attn

@@ -18,7 +18,7 @@ from runner import native
 from runner import prefill as prefilling
 from runner.loader import load_model
 from runner.models import attention
-from runner.models.llama import causal_mask, window_mask
+from runner.models.attention import causal_mask, window_mask
 from runner.prefill import Cancelled, chunk_ends, prefill
 
 # ---------------------------------------------------------------------------- the kernel

@@ -24,7 +24,7 @@ from drafting.mlx_ops import MlxRoundOps
 from drafting.rounds import TargetError
 from runner import device
 from runner.loader import load_model
-from runner.models.llama import window_mask
+from runner.models.attention import window_mask
 from runner.sampler import Sampler, SamplingParams
 from tests.test_cache_session import check_against_fresh, run_property, serve
 

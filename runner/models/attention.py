@@ -338,3 +338,29 @@ def _fused(
         if start + rows < length:
             hook(pieces[-1])
     return mx.concatenate(pieces, axis=2)
+
+
+# ----------------------------------------------------------------------------- masks
+def window_mask(
+    offset: int, length: int, window: int, key_start: int = 0, dtype: mx.Dtype = mx.float32
+) -> mx.array | None:
+    """Additive ``[length, offset + length - key_start]`` mask over the keys of positions
+    ``key_start..offset+length-1``: the row at position p sees the keys of ``(p - window, p]``
+    (transformers' sliding mask, ``kv_idx > q_idx - sliding_window``). None when every row
+    sees every key (one row whose keys start inside its window)."""
+    if length == 1 and key_start >= offset - window + 1:
+        return None
+    rows = mx.arange(offset, offset + length)[:, None]
+    keys = mx.arange(key_start, offset + length)[None, :]
+    visible = (keys <= rows) & (keys > rows - window)
+    return mx.where(visible, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))
+
+
+def causal_mask(offset: int, length: int, dtype: mx.Dtype = mx.float32) -> mx.array | None:
+    """Additive ``[length, offset + length]`` mask: row i sees keys up to ``offset + i``.
+    None for one row, which sees the whole cache."""
+    if length == 1:
+        return None
+    rows = mx.arange(offset, offset + length)[:, None]
+    visible = mx.arange(offset + length)[None, :] <= rows
+    return mx.where(visible, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))

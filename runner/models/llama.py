@@ -16,7 +16,7 @@ from cache.kv import KVCache, RotatingKVCache
 from cache.kv_quantized import QuantizedKVCache
 from runner import native
 from runner.models.activations import silu_mul
-from runner.models.attention import blocked_attention, packed_attention
+from runner.models.attention import blocked_attention, causal_mask, packed_attention, window_mask
 from runner.models.attention import serves as serves_blocked
 from runner.models.config import read_llama_family, text_config
 from runner.models.layers import (
@@ -364,31 +364,6 @@ def layer_windows(args: ModelArgs) -> list[int | None]:
     if window is None or types is None:
         return [None] * args.num_hidden_layers
     return [window if t == "sliding_attention" else None for t in types]
-
-
-def window_mask(
-    offset: int, length: int, window: int, key_start: int = 0, dtype: mx.Dtype = mx.float32
-) -> mx.array | None:
-    """Additive ``[length, offset + length - key_start]`` mask over the keys of positions
-    ``key_start..offset+length-1``: the row at position p sees the keys of ``(p - window, p]``
-    (transformers' sliding mask, ``kv_idx > q_idx - sliding_window``). None when every row
-    sees every key (one row whose keys start inside its window)."""
-    if length == 1 and key_start >= offset - window + 1:
-        return None
-    rows = mx.arange(offset, offset + length)[:, None]
-    keys = mx.arange(key_start, offset + length)[None, :]
-    visible = (keys <= rows) & (keys > rows - window)
-    return mx.where(visible, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))
-
-
-def causal_mask(offset: int, length: int, dtype: mx.Dtype = mx.float32) -> mx.array | None:
-    """Additive ``[length, offset + length]`` mask: row i sees keys up to ``offset + i``.
-    None for one row, which sees the whole cache."""
-    if length == 1:
-        return None
-    rows = mx.arange(offset, offset + length)[:, None]
-    visible = mx.arange(offset + length)[None, :] <= rows
-    return mx.where(visible, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))
 
 
 class Model(nn.Module):

@@ -76,10 +76,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from protocol.errors import UnsupportedArchitecture
-from runner.models.attention import blocked_attention
+from runner.models.attention import blocked_attention, causal_mask
 from runner.models.attention import serves as serves_blocked
 from runner.models.layers import Linear, dense_weight
-from runner.models.llama import MLP, ROW_BY_ROW, DecoderLayer, Mask, ModelArgs, causal_mask
+from runner.models.llama import MLP, ROW_BY_ROW, DecoderLayer, Mask, ModelArgs
 from runner.models.mla_config import FAMILIES, LATENT_NORM_EPS, MLASettings
 from runner.models.mla_config import model_args as model_args
 from runner.models.mla_config import settings as mla_settings
