@@ -84,6 +84,10 @@ class MlxRoundOps:
         return self.head_alive and self.draft.primed
 
     @property
+    def draft_source(self) -> str:
+        return "head" if self.draft is None else self.draft.source
+
+    @property
     def head_pairs(self) -> int:
         return self.draft.offset + self.draft.pending
 

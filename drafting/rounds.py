@@ -400,7 +400,7 @@ class RoundDriver:
         entry_position = self.ops.position
         entry_pairs = self.ops.head_pairs if self.ops.head_alive else 0
         entry = self.ops.capture()
-        source = "head" if draft is None else "suffix"
+        source = self.ops.draft_source if draft is None else "suffix"
 
         if draft is not None:
             proposal = self.ops.fixed_proposal(draft.tokens)
@@ -409,7 +409,7 @@ class RoundDriver:
                 proposal = self.ops.head_step(x, k)
             except OpError as error:  # HEAD_STEP_FAILED
                 # The drafts it proposed before failing count, as a round failing later.
-                self.stats.record_drafted(min(max(error.drafted, 0), k))
+                self.stats.record_drafted(min(max(error.drafted, 0), k), source)
                 if isinstance(error, HostError):  # host side: drop its entries and resume
                     self._head_rewind(entry_pairs)
                 else:  # the head is gone for this request

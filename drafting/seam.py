@@ -80,6 +80,11 @@ class RoundOps(Protocol):
         """Alive and primed (a frontier hidden exists), so it can draft."""
 
     @property
+    def draft_source(self) -> str:
+        """The name the draft session's rounds count under in the stats: "head" (the MTP
+        head) or "assistant" (a drafter over the target's caches)."""
+
+    @property
     def head_pairs(self) -> int:
         """Pairs in the draft KV, speculative entries included."""
 

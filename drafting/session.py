@@ -77,6 +77,8 @@ class DraftSession:
     and reports that overlap them are skipped.
     """
 
+    source = "head"  # the drafter its rounds count under in ``done.speculation.sources``
+
     def __init__(
         self,
         head: Head,

@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from cache.kv import KVCache
 from cache.ledger import Ledger, Outcome
+from drafting.assistant import AssistantSession
 from drafting.depth import DepthController, FixedDepth
 from drafting.head import MTPHead
 from drafting.logprobs import LogprobRows
@@ -55,8 +56,12 @@ class Speculation:
         request_head: Callable[[MTPHead], Any] | None = None,
         forced_drafts: bool = True,
         suffix: bool = True,
+        assistant: Any = None,
     ) -> None:
         self.head = head
+        # A drafter over the target's own caches instead of a head (``session()`` gives a
+        # request's ``drafting.assistant.AssistantSession``); it keeps no draft cache.
+        self.assistant = assistant
         self.cache = KVCache() if head is not None else None
         self.depth = DepthController(max_depth=max_depth)
         self.fixed_depth = fixed_depth
@@ -68,7 +73,8 @@ class Speculation:
     @property
     def sources(self) -> list[str]:
         """The drafters in use, for the ``ready`` frame."""
-        return [name for name, on in (("head", self.head), ("suffix", self.suffix)) if on]
+        drafters = (("head", self.head), ("assistant", self.assistant), ("suffix", self.suffix))
+        return [name for name, on in drafters if on is not None]
 
     def open(
         self, unembed: Callable[[mx.array], mx.array], cache: KVCache | None = None
@@ -79,6 +85,8 @@ class Speculation:
         if self.head is not None:
             head = self.head if self.request_head is None else self.request_head(self.head)
             draft = DraftSession(head, self.cache if cache is None else cache, unembed)
+        elif self.assistant is not None:
+            draft = self.assistant.session()
         return RequestSpeculation(self, draft)
 
     def status(self) -> dict:
@@ -156,6 +164,8 @@ class RequestSpeculation:
             suffix = SuffixDrafter(
                 owner.suffix, list(prompt), lambda: ledger.committed, fixed=fixed or None
             )
+        if isinstance(self.draft, AssistantSession):
+            self.draft.bind(caches)  # it drafts over the request's target caches
         ops = MlxRoundOps(
             model, caches, self.draft, sampler, logprobs, constraint, owner.forced_drafts
         )

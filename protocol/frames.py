@@ -32,7 +32,8 @@ class Ready(msgspec.Struct, tag="ready", tag_field="type"):
     blas: str
     # The model's weights as held in memory (quantized ones as kept: no float copy), bytes.
     weights_bytes: int = 0
-    # The drafters speculation uses: "head" (the MTP head), "suffix" (text already seen).
+    # The drafters speculation uses: "head" (the MTP head), "assistant" (a drafter model over
+    # the target's caches, e.g. Gemma 4's assistant), "suffix" (text already seen).
     draft_sources: list[str] = []
     # Whether completions may carry `images` (the model has a vision tower).
     images: bool = False
@@ -76,7 +77,7 @@ class Speculation(msgspec.Struct):
     accepted: int = 0
     accepted_per_depth: list[int] = []
     final_depth: int = 0
-    sources: dict[str, SourceCounts] = {}  # per drafter: "head", "suffix"
+    sources: dict[str, SourceCounts] = {}  # per drafter: "head", "assistant", "suffix"
 
 
 class Done(msgspec.Struct, tag="done", tag_field="type"):

@@ -35,6 +35,7 @@ from runner.heads import load_draft_head
 from runner.images import ImageLayout
 from runner.loader import LoadedModel, load_model
 from runner.models import feed_dependent
+from runner.models.gemma4_assistant import find_assistant
 from runner.prepare import Prepared, RequestError, RequestPreparer
 from runner.stream import Stream
 from runner.vision_load import load_vision
@@ -67,7 +68,7 @@ def default_cache_bytes() -> int:
 @dataclass
 class EngineOptions:
     model_path: str | None = None  # None: the embedded default model
-    draft_path: str | None = None  # an MTP head sidecar directory
+    draft_path: str | None = None  # an MTP head sidecar directory or a Gemma 4 assistant
     use_draft: bool = True
     max_draft: int = 8
     draft_depth: int | None = None  # a fixed depth (benchmarks, tests); None = adaptive
@@ -124,9 +125,7 @@ class Engine:
             from runner.default_model import ensure_default_model
 
             path = ensure_default_model(report)
-        self.loaded: LoadedModel = load_model(
-            path, dtype=options.dtype, keep_quantized=options.keep_quantized, progress=report
-        )
+        self.loaded: LoadedModel = self._load(path, report)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.vision, no_images = load_vision(self.loaded)
@@ -146,6 +145,7 @@ class Engine:
         # computes only when every prompt is one forward and decoding one token per forward:
         # no speculation, no prefix cache, no prefill chunks.
         self.feed_dependent = feed_dependent(self.model)
+        self.assistant = None  # a Gemma 4 assistant drafting instead of a head (self._head)
         head, mtp_detail = self._head()
         self.tuning = device.tune(
             self.model,
@@ -163,13 +163,14 @@ class Engine:
         # Drafting from the text already seen needs nothing from the model: every model whose
         # decoding is feed-independent speculates with it, with or without a head.
         suffix = "suffix" in options.draft_sources and options.use_draft and not self.feed_dependent
-        if head is not None or suffix:
+        if head is not None or suffix or self.assistant is not None:
             self.speculation = Speculation(
                 head,
                 max_depth=options.max_draft,
                 fixed_depth=options.draft_depth,
                 request_head=options.faults.request_head(),
                 suffix=suffix,
+                assistant=self.assistant,
             )
         log.info("device tuning: %s", self.tuning.describe())
         self.parallel, self.parallel_detail = self._parallel(options.parallel)
@@ -190,6 +191,14 @@ class Engine:
             images=self.vision is not None,
         )
 
+    def _load(self, path: str, report: Progress) -> LoadedModel:
+        """The target as this engine serves it (``runner.distributed`` loads one rank's
+        layers instead)."""
+        options = self.options
+        return load_model(
+            path, dtype=options.dtype, keep_quantized=options.keep_quantized, progress=report
+        )
+
     def _head(self) -> tuple[object | None, str]:
         """The MTP head to serve (or None) and the ready frame's word on it."""
         if self.feed_dependent:
@@ -200,6 +209,10 @@ class Engine:
             return None, "no draft head (disabled by --no-draft)"
         if "head" not in self.options.draft_sources:
             return None, "no draft head (not in --draft-sources)"
+        loaded, draft_path = self.loaded, self.options.draft_path
+        self.assistant, detail = find_assistant(loaded.model, loaded.path, draft_path, loaded.dtype)
+        if detail is not None:
+            return None, detail
         head, detail = load_draft_head(self.loaded, self.options.draft_path)
         if head is not None and head.config.feature_layers:  # rows carry the fused streams
             self.model.use_draft_features(tuple(head.config.feature_layers))

@@ -8,7 +8,8 @@ Hugging Face layout (rotate-half RoPE), whatever file it came from. The Gemma 2 
 Phi-3, Qwen3-MoE and GLM-4.5 families are mapped by ``runner.gguf_families``, the Qwen3.5
 hybrids (dense and MoE) and Qwen3-Next by ``runner.gguf_hybrid``, llama.cpp's ``deepseek2``
 (DeepSeek-V3, GLM-4.7-Flash) by ``runner.gguf_mla``; SentencePiece BPE
-vocabularies (``llama`` tokenizer model) are built by ``runner.gguf_tokenizer``.
+vocabularies (``llama`` tokenizer model) are built by ``runner.gguf_tokenizer``. Gemma 4
+(``gemma4``: the file's config, tensors and ``gemma4`` vocabulary) is ``runner.gguf_gemma4``'s.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture, UnsupportedTokenizer
-from runner import chat_template, gguf_families, gguf_hybrid, gguf_mla
+from runner import chat_template, gguf_families, gguf_gemma4, gguf_hybrid, gguf_mla
 from runner.chat_template import ChatTemplate
 from runner.gguf_tensors import FORMATS, GGUFQuantized, open_gguf, read_tensor
 from runner.gguf_tokenizer import spm_hf_tokenizer
@@ -33,12 +34,14 @@ Tensor = mx.array | GGUFQuantized
 Progress = Callable[[str, int, int], None]
 LLAMA_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_ARCHS = LLAMA_ARCHS + gguf_families.ARCHS + gguf_hybrid.ARCHS + gguf_mla.ARCHS
+SUPPORTED_ARCHS += gguf_gemma4.ARCHS
 # Stacked quantized tensors ``[N, out, in]`` read as N matrices: routed experts, and the
 # per-head halves of an MLA ``kv_b_proj`` (``runner.gguf_mla``).
 _STACKED = ("_exps.weight", ".attn_k_b.weight", ".attn_v_b.weight")
 # Control tokens llama.cpp also ends generation on, by their text (its end-of-generation
 # list): a chat model's end of turn is often not the file's eos_token_id.
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>")
+_EOG_TEXTS += ("<turn|>",)  # Gemma 4's end of turn
 
 _LAYER_NAMES = gguf_families.ATTENTION_NAMES | {
     "ffn_norm": "post_attention_layernorm",
@@ -114,6 +117,8 @@ def gguf_config(meta: dict, path: str) -> dict:
             f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})",
             path=path,
         )
+    if arch in gguf_gemma4.ARCHS:  # per-layer arrays among its common keys: read whole there
+        return gguf_gemma4.gguf_config(meta, path)
 
     def get(key: str, default=None):
         v = meta.get(f"{arch}.{key}", default)
@@ -208,6 +213,8 @@ def map_gguf_tensors(
         return gguf_hybrid.map_hybrid_tensors(arch, weights, config)
     if arch in gguf_mla.ARCHS:
         return gguf_mla.map_mla_tensors(arch, weights, config)
+    if arch in gguf_gemma4.ARCHS:
+        return gguf_gemma4.map_tensors(weights, config)
     out: dict[str, Tensor] = {}
     for name, w in weights.items():
         if isinstance(w, list):  # stacked quantized experts (read_gguf): no such blocks here
@@ -252,10 +259,12 @@ def gguf_tokenizer(meta: dict, path: str) -> Tokenizer:
         hf = _gpt2_tokenizer(meta, path)
     elif kind == "llama":
         hf = spm_hf_tokenizer(meta, path)
+    elif kind == "gemma4":
+        hf = gguf_gemma4.hf_tokenizer(meta, path)
     else:
         raise UnsupportedTokenizer(
             f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' byte-level BPE, "
-            "'llama' SentencePiece BPE)",
+            "'llama' SentencePiece BPE, 'gemma4' character BPE)",
             path=path,
         )
     tokens = meta["tokenizer.ggml.tokens"]
@@ -267,7 +276,7 @@ def gguf_tokenizer(meta: dict, path: str) -> Tokenizer:
     bos = token_id("tokenizer.ggml.bos_token_id")
     eos_ids = {token_id(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")}
     types = _scalar(meta.get("tokenizer.ggml.token_type"))
-    if kind == "llama" and isinstance(types, list):
+    if kind in ("llama", "gemma4") and isinstance(types, list):
         # SentencePiece chat models (Gemma's <end_of_turn>, Phi-3's <|end|>) end turns on a
         # control token their eos_token_id does not name; llama.cpp finds these by text.
         eos_ids.add(token_id("tokenizer.ggml.eom_token_id"))
@@ -275,6 +284,7 @@ def gguf_tokenizer(meta: dict, path: str) -> Tokenizer:
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     # llama.cpp's default when the key is absent: SentencePiece vocabularies add BOS.
     add_bos = bool(_scalar(add_bos)) if add_bos is not None else kind == "llama"
+    add_bos = add_bos or kind == "gemma4"  # llama.cpp adds BOS to gemma4 vocabularies always
     if meta.get("tokenizer.ggml.pre") in _NO_BOS:  # llama.cpp drops their BOS id
         bos, add_bos = None, False
     eos_ids.discard(None)

@@ -65,6 +65,13 @@ def takes_layer_hook(model) -> bool:
     return bool(getattr(model, "takes_layer_hook", False))
 
 
+def cache_of_layer(model) -> Callable[[int], int]:
+    """Where layer i's cache sits in the model's ``make_caches`` list: the model's own
+    ``cache_of_layer`` (layers sharing another's keys and values keep none, so the list can be
+    shorter than the layers), else the identity."""
+    return getattr(model, "cache_of_layer", None) or (lambda index: index)
+
+
 class ThreadChoice:
     """Whether prefill layers run the BLAS on every core (``blas.wide``) or on the decode
     count, chosen by timing, process-wide.
@@ -152,8 +159,11 @@ class _LayerPoll:
     built, polls for a cancel after each, times the layers, and runs each wide or not as
     ``THREADS`` says (layer ``probe`` the other way)."""
 
-    def __init__(self, caches: list, cancelled: Callable[[], bool], probe: int | None) -> None:
+    def __init__(
+        self, model, caches: list, cancelled: Callable[[], bool], probe: int | None
+    ) -> None:
         self.caches = caches
+        self.cache_of = cache_of_layer(model)
         self.cancelled = cancelled
         self.probe = probe
         self.seconds: list[float] = []
@@ -188,7 +198,7 @@ class _LayerPoll:
         self._poll()
 
     def __call__(self, index: int, x: mx.array) -> None:
-        mx.eval(x, self.caches[index].state)
+        mx.eval(x, self.caches[self.cache_of(index)].state)
         now = time.perf_counter()
         self.seconds.append(now - self._mark)
         self._mark = now
@@ -294,7 +304,7 @@ class ChunkedPrefill:
         ids = self._next_ids()
         try:
             if takes_layer_hook(model) and ids.shape[0] >= POLL_ROWS:
-                poll = _LayerPoll(caches, self.cancelled, THREADS.next_probe(len(caches)))
+                poll = _LayerPoll(model, caches, self.cancelled, THREADS.next_probe(len(caches)))
                 with poll, between_blocks(poll.block):
                     hidden = model.hidden(ids[None], caches, on_layer=poll)
                 mx.eval(hidden, [c.state for c in caches])
@@ -316,6 +326,7 @@ class ChunkedPrefill:
         """Layers of the next chunk, evaluated one by one until the budget is spent; a chunk
         ends at the offset a whole-chunk prefill would end it (``chunk_ends``)."""
         model, caches = self.model, self.caches
+        cache_of = cache_of_layer(model)
         start = time.perf_counter()
         while self.pending:
             if self._open is None:
@@ -326,7 +337,7 @@ class ChunkedPrefill:
             with chosen_threads():
                 for index, x in chunk.layers:
                     mark = time.perf_counter()
-                    mx.eval(x, caches[index].state)
+                    mx.eval(x, caches[cache_of(index)].state)
                     chunk.last = x
                     if index in model.draft_stream_layers:  # a fused head's stream
                         chunk.streams.append(x)

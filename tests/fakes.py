@@ -272,6 +272,10 @@ class FakeOps:
         return self.pairs is not None and self.frontier is not None
 
     @property
+    def draft_source(self) -> str:
+        return "head"
+
+    @property
     def head_pairs(self) -> int:
         return len(self.pairs) if self.pairs is not None else 0
 

@@ -1,6 +1,6 @@
 """Model families by ``model_type``: llama (llama, mistral, qwen2, qwen3 and the smollm
-aliases), gemma (gemma2, gemma3_text), phi3 and the hybrids in qwen3_5 (qwen3_5,
-qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next, dense or MoE), the MoE families
+aliases), gemma (gemma2, gemma3_text), gemma4 (gemma4_text), phi3 and the hybrids in qwen3_5
+(qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next, dense or MoE), the MoE families
 qwen3_moe and glm4_moe (runner.models.moe), and the multi-head latent attention families
 deepseek_v3 and glm4_moe_lite (runner.models.mla).
 
@@ -17,12 +17,13 @@ from types import ModuleType
 import mlx.nn as nn
 
 from protocol.errors import UnsupportedArchitecture
-from runner.models import config, gemma, glm4_moe, llama, mla, phi3, qwen3_5, qwen3_moe
+from runner.models import config, gemma, gemma4, glm4_moe, llama, mla, phi3, qwen3_5, qwen3_moe
 
 _FAMILIES: dict[str, ModuleType] = {name: llama for name in llama.FAMILIES}
 # Aliases seen in real configs for the same architecture.
 _FAMILIES.update({alias: llama for alias in config.ALIASES})
 _FAMILIES.update({name: gemma for name in gemma.FAMILIES})
+_FAMILIES.update({name: gemma4 for name in gemma4.FAMILIES})
 _FAMILIES.update({name: phi3 for name in phi3.FAMILIES})
 _FAMILIES.update({name: qwen3_5 for name in qwen3_5.FAMILIES})
 _FAMILIES.update({name: m for m in (qwen3_moe, glm4_moe) for name in m.FAMILIES})  # MoE
