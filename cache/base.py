@@ -65,6 +65,12 @@ class BaseSnapshot:
         owner._lazy.discard(self)
         self._set_copy(keys, values)
 
+    def merged(self, tail: BaseSnapshot) -> BaseSnapshot | None:
+        """This snapshot and the adjacent ``tail`` as one, for a kind whose data another
+        process holds (``runner.distributed.remote``); None: ``cache.kv.concat_snapshots``
+        merges the data here."""
+        return None
+
     def close(self) -> None:
         """Release the data: a lazy range stops protecting the owner's slots."""
         if self.owner is not None:

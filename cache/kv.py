@@ -101,6 +101,9 @@ def concat_snapshots(head, tail):
     """
     if head.end != tail.start:
         raise ValueError(f"[{head.start}, {head.end}) and [{tail.start}, ..) are not adjacent")
+    merged = head.merged(tail)
+    if merged is not None:
+        return merged
     if isinstance(tail, WindowSnapshot):
         head.close()
         tail.start = head.start

@@ -253,6 +253,21 @@ def wide() -> Iterator[None]:
         _threads.apply(_threads.narrow)
 
 
+def limit_cores(cores: int) -> None:
+    """Use at most ``cores`` cores from now on (a process sharing the machine with others
+    working in turn with it: ``--ranks``): MKL's thread counts become those of a machine
+    with that many cores. A no-op where the runner does not set MKL's counts."""
+    if _threads.set_max is None:
+        return
+    before = f"threads {_threads.narrow}/{_threads.wide}"
+    _threads.wide = max(1, min(cores, _usable_cores()))
+    _threads.narrow = min(_decode_threads(_threads.wide), _threads.wide)
+    _threads.apply(_threads.narrow)
+    if "name" in _state:
+        after = f"threads {_threads.narrow}/{_threads.wide}"
+        _state["name"] = _state["name"].replace(before, after)
+
+
 def row_layout_pays() -> bool:
     """Whether verify rows should use the ``[out, in]`` weight layout under this BLAS
     (``runner.models.layers.add_row_layout``): OpenBLAS packs the transposed operand of

@@ -13,12 +13,15 @@ import logging
 import os
 import re
 import sys
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import protocol
 from drafting.depth import MAX_DRAFT_DEPTH
 from runner import __version__
 from runner.faults import Faults
+
+if TYPE_CHECKING:
+    from runner.engine import EngineOptions
 
 log = logging.getLogger("mtp_runner.cli")
 
@@ -38,6 +41,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
+    return value
+
+
+def at_least_two(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2: {text}")
     return value
 
 
@@ -96,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF directory or GGUF file "
         "(default: the embedded SmolLM2-135M-Instruct, downloaded on first use)",
     )
-    p.add_argument("--draft", metavar="PATH", help="MTP draft head sidecar directory")
+    p.add_argument(
+        "--draft", metavar="PATH", help="MTP draft head sidecar or Gemma 4 assistant directory"
+    )
     p.add_argument("--no-draft", action="store_true", help="never speculate")
     p.add_argument(
         "--draft-sources",
@@ -213,6 +225,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="completions that may wait; more are refused (default 64)",
     )
+    count(
+        "--ranks",
+        type=at_least_two,
+        help="split the model's layers over N processes on this machine (MLX's ring backend "
+        "on loopback); rank 0 serves the pipes. No speculation, prefix cache or --parallel yet",
+    )
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="run as one rank of a group mlx.launch started (its environment says which); "
+        "rank 0 serves the pipes",
+    )
+    p.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="with --ranks or --distributed: seconds rank 0 waits for the other ranks to answer "
+        "one command before it gives up and exits (300)",
+    )
     p.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
     )
@@ -259,37 +291,43 @@ def engine_factory(args: argparse.Namespace):
         return lambda progress: NoopEngine(delay_s=args.noop_delay_ms / 1000)
 
     def load(progress):
-        from runner.engine import Engine, EngineOptions
+        from runner.engine import Engine
 
-        options = EngineOptions(
-            model_path=args.model,
-            draft_path=args.draft,
-            use_draft=not args.no_draft,
-            max_draft=args.max_draft,
-            draft_depth=args.draft_depth,
-            draft_sources=args.draft_sources,
-            cache_bytes=args.cache_bytes,
-            prefix_cache=not args.no_prefix_cache,
-            cache_dir=args.cache_dir,
-            cache_disk_bytes=args.cache_disk_bytes,
-            disk_fault=args.cache_dir_fault,
-            prefill_chunk=args.prefill_chunk,
-            dtype=args.dtype,
-            keep_quantized=args.keep_quantized,
-            exact_products=args.exact_products,
-            quantize={"q4": 4, "q8": 8}.get(args.quantize),
-            quantize_head=not args.float_head,
-            weight_layout=args.weight_layout,
-            row_layout=args.row_layout,
-            compile=not args.no_compile,
-            faults=Faults.parse(args.inject_fault),
-            parallel=args.parallel,
-            kv_bits=args.kv_bits,
-            kv_group=args.kv_group,
-        )
-        return Engine(options, progress=progress)
+        return Engine(engine_options(args), progress=progress)
 
     return load
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The ``runner.engine.EngineOptions`` the command line gives."""
+    from runner.engine import EngineOptions
+
+    return EngineOptions(
+        model_path=args.model,
+        draft_path=args.draft,
+        use_draft=not args.no_draft,
+        max_draft=args.max_draft,
+        draft_depth=args.draft_depth,
+        draft_sources=args.draft_sources,
+        cache_bytes=args.cache_bytes,
+        prefix_cache=not args.no_prefix_cache,
+        cache_dir=args.cache_dir,
+        cache_disk_bytes=args.cache_disk_bytes,
+        disk_fault=args.cache_dir_fault,
+        prefill_chunk=args.prefill_chunk,
+        dtype=args.dtype,
+        keep_quantized=args.keep_quantized,
+        exact_products=args.exact_products,
+        quantize={"q4": 4, "q8": 8}.get(args.quantize),
+        quantize_head=not args.float_head,
+        weight_layout=args.weight_layout,
+        row_layout=args.row_layout,
+        compile=not args.no_compile,
+        faults=Faults.parse(args.inject_fault),
+        parallel=args.parallel,
+        kv_bits=args.kv_bits,
+        kv_group=args.kv_group,
+    )
 
 
 def claim_stdout() -> BinaryIO:
@@ -325,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.ranks or args.distributed:
+        from runner.distributed.main import main as distributed_main
+
+        return distributed_main(args, argv, build_parser(), engine_options, claim_stdout())
     from runner.server import FrameWriter, Server
 
     writer = FrameWriter(claim_stdout())

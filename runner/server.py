@@ -274,6 +274,22 @@ class Server:
                 job.cancel.set()
             self._wakeup.notify_all()
 
+    def abort(self, exc: CodedError) -> None:
+        """The process cannot go on (``runner.distributed``: a rank was lost), whatever thread
+        it is stuck on: one error frame without an id, then every accepted completion ends
+        with its error and done frames; nothing more is taken. The caller exits."""
+        with self._lock:
+            self._closing = True
+            self.writer.write(exc.frame(None))
+            for job in list(self._jobs.values()):
+                if not job.finished:
+                    job.finished = True
+                    self.writer.write(exc.frame(job.request.id))
+                    self.writer.write(Done(job.request.id, "error"))
+            self._jobs.clear()
+            self._queue.clear()
+            self.writer.closed = True  # nothing may follow: the process is ending
+
     def close_input(self) -> None:
         """End of stdin or `shutdown`: finish what is queued, then let the process exit."""
         with self._lock:

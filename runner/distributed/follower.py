@@ -1,0 +1,167 @@
+"""A rank other than 0: load its layers, report, then follow rank 0's commands until shutdown.
+
+It never reads stdin or writes a frame (``mlx.launch`` copies stdin to every rank and merges
+their stdout, so only rank 0 may write there). Each command is passed down the chain first,
+then applied to this rank's caches of the set it names, created on first use; the prefix
+cache's snapshots of this rank's layers are kept here under the ids rank 0 gives them
+(``runner.distributed.remote``). A failure here
+(a cache out of step, a lost peer) ends the process: its peers' pending operations then
+fail, and rank 0 reports the loss.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+
+from cache.kv import concat_snapshots
+from protocol.codes import LOAD_ERROR
+from protocol.errors import CodedError
+from runner import device
+from runner.distributed import stage
+from runner.distributed.channel import DTYPES, Channel, Command, Op, RankReport, handshake
+from runner.models.llama import Model
+
+log = logging.getLogger("mtp_runner.distributed")
+
+
+class OutOfStep(RuntimeError):
+    """This rank's caches are not where rank 0's command says they are."""
+
+
+def load(
+    group: mx.distributed.Group,
+    checkpoint: stage.Checkpoint | None,
+    run: range,
+    options: stage.StageLoad,
+    failure: BaseException | None = None,
+) -> Model | None:
+    """Load and tune layers ``run`` and report to every rank (None when this rank or another
+    failed: the caller exits). ``failure``: reading the checkpoint already failed."""
+    model = None
+    if failure is None:
+        try:
+            model = stage.load_stage(checkpoint, run, False, options, lambda *a: None).model
+            stage.tune_stage(model, options)
+            warm_up(model, options)
+        except Exception as exc:
+            failure = exc
+    if failure is not None:
+        log.error("rank %d could not load layers %s: %s", group.rank(), _span(run), failure)
+        code = failure.code if isinstance(failure, CodedError) else LOAD_ERROR
+        message = str(failure) or type(failure).__name__
+        report = RankReport(False, run, code=code, message=message)
+    else:
+        held = DTYPES.index(stage.held_as(options)[0])
+        report = RankReport(True, run, device.weight_bytes(model), held)
+        log.info(
+            "rank %d holds layers %s: %d weight bytes",
+            group.rank(),
+            _span(run),
+            report.weight_bytes,
+        )
+    reports = handshake(group, report)
+    return model if all(r.loaded for r in reports) else None
+
+
+def warm_up(model: Model, options: stage.StageLoad) -> None:
+    """Trace the compiled blocks for one-row feeds before the first request (rank 0 traces
+    its own the same way)."""
+    if not options.compile:
+        return
+    caches = model.make_caches()
+    rows = mx.zeros((1, 1, model.args.hidden_size), dtype=_dtype(model))
+    mx.eval(model.hidden(rows, caches, prenorm=True))
+
+
+def _dtype(model: Model) -> mx.Dtype:
+    norm = model.layers[0].input_layernorm.weight
+    return norm.dtype
+
+
+def _span(run: range) -> str:
+    return f"{run.start}-{run.stop - 1}" if run else "(none: no split)"
+
+
+def follow(channel: Channel, model: Model) -> None:
+    """Apply rank 0's commands until SHUTDOWN. A command this rank cannot apply (a snapshot
+    id it does not hold, a restore its caches are not ready for) means it is out of step."""
+    sets: dict[int, list] = {}
+    kept = Snapshots()
+    while True:
+        command = channel.recv_command()
+        channel.send_command(command)
+        if command.op is Op.SHUTDOWN:
+            return
+        caches = sets.get(command.caches, [])
+        if command.caches and command.caches not in sets:  # 0: a command naming no set
+            caches = sets[command.caches] = model.make_caches()
+        try:
+            apply(channel, model, caches, kept, command)
+        except (KeyError, ValueError) as exc:
+            raise OutOfStep(f"{command}: {exc}") from exc
+
+
+def apply(channel: Channel, model: Model, caches: list, kept: Snapshots, command: Command) -> None:
+    """One command on this rank's ``caches`` (the set it names) and ``kept`` snapshots."""
+    op = command.op
+    if op is Op.FORWARD:
+        forward(channel, model, caches, command)
+    elif op is Op.REWIND:
+        for cache in caches:
+            cache.rewind(command.rows)
+        if command.rows == 0:
+            device.release_memory()  # a request starts over: return its buffers
+    elif op is Op.RESET:
+        for cache in caches:
+            cache.reset()
+    elif op is Op.SNAPSHOT:
+        end = command.offset + command.rows
+        kept.add(command.snap, [c.snapshot(command.offset, end) for c in caches])
+    elif op is Op.RESTORE:
+        for cache, snap in zip(caches, kept[command.snap], strict=True):
+            if snap.owner is not None and snap.owner is not cache:
+                snap.materialise()  # another set's live range: copied out first
+            cache.restore(snap, command.offset)
+    elif op is Op.DROP:
+        for snap in kept.take(command.snap):
+            snap.close()
+    elif op is Op.SPLIT:
+        halves = [snap.split(command.offset) for snap in kept.take(command.snap)]
+        kept.add(command.head, [head for head, _ in halves])
+        kept.add(command.tail, [tail for _, tail in halves])
+    elif op is Op.MERGE:
+        heads, tails = kept.take(command.head), kept.take(command.tail)
+        merged = [concat_snapshots(h, t) for h, t in zip(heads, tails, strict=True)]
+        kept.add(command.snap, merged)
+
+
+class Snapshots(dict):
+    """This rank's layers' snapshots under rank 0's ids (one per layer, in layer order)."""
+
+    def add(self, number: int, snapshots: list) -> None:
+        if number in self:
+            raise KeyError(f"snapshot {number} is held already")
+        self[number] = snapshots
+
+    def __missing__(self, number: int) -> list:
+        raise KeyError(f"no snapshot {number} is held")
+
+    def take(self, number: int) -> list:
+        """The snapshots under ``number``, no longer held under it."""
+        snapshots = self[number]
+        del self[number]
+        return snapshots
+
+
+def forward(channel: Channel, model: Model, caches: list, command: Command) -> None:
+    """This rank's layers over the rows the previous rank sends, handed on."""
+    if caches[0].offset != command.offset:
+        raise OutOfStep(
+            f"caches {command.caches} rest at {caches[0].offset}, rank 0 feeds at {command.offset}"
+        )
+    rows = channel.recv_rows(command.rows, DTYPES[command.dtype])
+    out = model.hidden(rows, caches, prenorm=True)
+    mx.eval(out, [c.state for c in caches])
+    channel.send_rows(out)

@@ -1,0 +1,63 @@
+"""Rank 0's model: its own stage, with the other ranks' layers behind ``hidden``.
+
+``PipelineModel`` is rank 0's llama-family stage (embedding, its first layers, final norm,
+output projection; ``pipeline_class`` makes it for a family built on the llama one) whose
+``hidden`` runs its layers, hands the rows down the ranks and takes the last rank's output
+rows back, so the engine, the prefill and the decoders use it as they use a whole model.
+Its caches are its own layers' caches followed by one ``RemoteCaches``
+(``runner.distributed.remote``): the other ranks' caches of the same set, whose offset rank
+0 mirrors and whose rewinds, resets, snapshots and restores are commands to those ranks.
+Every exchange is synchronous and bounded by the watchdog; the pipelined decoder's overlap
+of host work with the forward is lost across ranks for now.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from runner.distributed.remote import Link
+from runner.models.llama import LayerHook, Mask, Model
+
+
+class PipelineModel(Model):
+    """Rank 0's stage of a llama-family model; see the module docstring. ``link`` is set
+    once the ranks are connected."""
+
+    takes_layer_hook = False  # a chunk runs whole: the other ranks' layers are one exchange
+    link: Link | None = None
+
+    def make_caches(self) -> list:
+        return [*super().make_caches(), self.link.new_set()]
+
+    def hidden(
+        self,
+        tokens: mx.array,
+        caches: Sequence,
+        mask: Mask = None,
+        prenorm: bool = False,
+        on_layer: LayerHook | None = None,
+    ) -> mx.array:
+        if mask is not None or on_layer is not None or self.draft_features:
+            raise NotImplementedError("masks, layer hooks and fused features across ranks")
+        *own, remote = caches
+        rows = super().hidden(tokens, own, prenorm=True)
+        rows = self.link.forward(rows, remote)
+        return rows if prenorm else self.model.norm(rows)
+
+    def rows_refusal(self) -> str | None:
+        return "the model is split across ranks"
+
+    def hidden_rows(self, tokens: mx.array, caches: list) -> mx.array:
+        raise NotImplementedError("shared forwards are not served across ranks yet")
+
+
+@functools.cache
+def pipeline_class(base: type[Model]) -> type[PipelineModel]:
+    """Rank 0's model class for a family whose model class is ``base`` (a llama-family
+    subclass: its blocks, ``PipelineModel``'s forward across the ranks)."""
+    if base is Model:
+        return PipelineModel
+    return type(f"Pipeline{base.__module__.rpartition('.')[2]}", (PipelineModel, base), {})

@@ -1,0 +1,244 @@
+"""The other ranks' caches as one cache among rank 0's, and their snapshots, held where the
+layers are.
+
+``RemoteCaches`` stands in, in rank 0's list of caches, for every later rank's layer caches
+of one set: its offset is the one they all rest at (each forward, rewind and restore moves
+them together). The prefix cache (``cache.session``) drives it through ``cache.base``'s
+interface like any full KV cache, and each call that changes the other ranks' caches is a
+command to them (``runner.distributed.channel.Op``). A snapshot is kept on each rank for its
+own layers (their ``KVSnapshot`` objects, in ``runner.distributed.follower``) under an id
+rank 0 numbers; only the id and the positions cross the link. ``RemoteSnapshot`` is rank 0's
+handle: splitting, merging and dropping it are commands too.
+
+The trie's byte budget counts copies, and the other ranks' copies are made where a write
+overwrites a lazy range (``cache.kv.KVCache._protect``). Those writes are the forwards and
+restores rank 0 itself commands, so ``RemoteCaches`` mirrors which ranges are still lazy and
+a ``RemoteSnapshot`` counts the other ranks' bytes of its copy (``row_bytes`` a position)
+without asking them. Only full-attention layers are served this way: a sliding window's
+snapshot is only restorable where the window was kept, which rank 0 would have to ask about.
+
+``Link`` is rank 0's end of the channel, through which all of these commands and the
+forwards go, each bounded by the watchdog.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import mlx.core as mx
+
+from cache.base import BaseCache, BaseSnapshot
+from runner.distributed.channel import DTYPES, Channel, Command, Op
+from runner.distributed.watchdog import Watchdog
+
+
+class RemoteSnapshot(BaseSnapshot):
+    """Positions ``[start, end)`` of the other ranks' caches, kept on those ranks under
+    ``number``. ``owner``: the ``RemoteCaches`` whose live buffers still hold the range (no
+    copy yet), as for a ``KVSnapshot``."""
+
+    __slots__ = ("link", "number", "start", "end", "dropped")
+
+    def __init__(
+        self, link: Link, number: int, start: int, end: int, owner: RemoteCaches | None
+    ) -> None:
+        self.link, self.number = link, number
+        self.start, self.end = start, end
+        self.keys = self.values = None  # the data is on the other ranks
+        self.on_resize = None
+        self.dropped = False
+        self.owner = owner if end > start else None  # an empty range has nothing to protect
+        if self.owner is not None:
+            self.owner._lazy.add(self)
+
+    @property
+    def restorable(self) -> bool:
+        return True  # a full cache's range, given the prefix before it
+
+    @property
+    def nbytes(self) -> int:
+        """The other ranks' bytes of the copy (0 while lazy, or once dropped)."""
+        if self.dropped or self.owner is not None:
+            return 0
+        return (self.end - self.start) * self.link.row_bytes
+
+    def _resized(self, before: int) -> None:
+        if self.on_resize is not None and self.nbytes != before:
+            self.on_resize(self.nbytes - before)
+
+    def materialise(self) -> None:
+        """The other ranks copy the range out when their buffer is about to be overwritten
+        (their ``KVSnapshot`` does it); this marks the copy made, for the accounting."""
+        if self.owner is None:
+            return
+        before = self.nbytes
+        self.owner._lazy.discard(self)
+        self.owner = None
+        self._resized(before)
+
+    def _relive(self, owner: RemoteCaches) -> None:
+        """Restored whole into ``owner``: the other ranks' buffers hold it again and their
+        snapshot dropped its copy (``KVCache.restore``)."""
+        before = self.nbytes
+        self.owner = owner
+        owner._lazy.add(self)
+        self._resized(before)
+
+    def split(self, at: int) -> tuple[RemoteSnapshot, RemoteSnapshot]:
+        """``[start, at)`` and ``[at, end)`` under new ids; this one is dropped."""
+        if not self.start < at < self.end:
+            raise ValueError(f"cannot split [{self.start}, {self.end}) at {at}")
+        head, tail = self.link.new_id(), self.link.new_id()
+        self.link.command(Command(Op.SPLIT, offset=at, snap=self.number, head=head, tail=tail))
+        owner = self.owner
+        self._forget()
+        return (
+            RemoteSnapshot(self.link, head, self.start, at, owner),
+            RemoteSnapshot(self.link, tail, at, self.end, owner),
+        )
+
+    def merged(self, tail: BaseSnapshot) -> BaseSnapshot | None:
+        """This snapshot and the adjacent ``tail`` as one under a new id (two lazy ranges of
+        one set's buffers stay lazy, as ``cache.kv.concat_snapshots`` keeps them); both are
+        dropped."""
+        if not isinstance(tail, RemoteSnapshot):
+            raise TypeError(f"cannot merge a snapshot held by the other ranks with {tail!r}")
+        number = self.link.new_id()
+        command = Command(Op.MERGE, snap=number, head=self.number, tail=tail.number)
+        self.link.command(command)
+        owner = self.owner if self.owner is not None and self.owner is tail.owner else None
+        self._forget()
+        tail._forget()
+        return RemoteSnapshot(self.link, number, self.start, tail.end, owner)
+
+    def _forget(self) -> None:
+        """Stop counting this handle (the other ranks no longer hold its id)."""
+        before = self.nbytes
+        if self.owner is not None:
+            self.owner._lazy.discard(self)
+            self.owner = None
+        self.dropped = True
+        self._resized(before)
+        self.on_resize = None
+
+    def close(self) -> None:
+        """Release the other ranks' copy; safe to call twice."""
+        if not self.dropped:
+            self.link.command(Command(Op.DROP, snap=self.number))
+        self._forget()
+
+    def __repr__(self) -> str:
+        state = "lazy" if self.lazy else f"{self.nbytes} B"
+        return f"RemoteSnapshot({self.number}, [{self.start}, {self.end}), {state})"
+
+
+class RemoteCaches(BaseCache):
+    """The other ranks' caches of one set (module docstring); a full KV cache to the prefix
+    cache."""
+
+    def __init__(self, link: Link, number: int) -> None:
+        self.link = link
+        self.number = number
+        self.offset = 0
+        # Snapshots whose range the other ranks' buffers still hold (``RemoteSnapshot``).
+        self._lazy: weakref.WeakSet[RemoteSnapshot] = weakref.WeakSet()
+
+    @property
+    def state(self) -> list[mx.array]:
+        return []  # the other ranks evaluate their own
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # held by the other ranks
+
+    def wrote(self, start: int, end: int) -> None:
+        """The other ranks write positions ``[start, end)``: the lazy ranges there are copied
+        out first (``KVCache._protect``)."""
+        for snap in [s for s in self._lazy if s.start < end and start < s.end]:
+            snap.materialise()
+
+    def rewind(self, to: int) -> None:
+        if not 0 <= to <= self.offset:
+            raise ValueError(f"cannot rewind from {self.offset} to {to}")
+        if to != self.offset:
+            self.link.command(Command(Op.REWIND, self.number, to))
+            self.offset = to
+
+    def reset(self) -> None:
+        self.link.command(Command(Op.RESET, self.number))
+        self.wrote(0, max((s.end for s in self._lazy), default=0))
+        self.offset = 0
+
+    def snapshot(self, start: int, end: int | None = None) -> RemoteSnapshot:
+        end = self.offset if end is None else end
+        if not 0 <= start <= end <= self.offset:
+            raise ValueError(f"cannot snapshot [{start}, {end}) of caches at offset {self.offset}")
+        number = self.link.new_id()
+        command = Command(Op.SNAPSHOT, self.number, end - start, start, snap=number)
+        self.link.command(command)
+        return RemoteSnapshot(self.link, number, start, end, self)
+
+    def can_restore(self, snap: BaseSnapshot, to: int | None = None) -> bool:
+        to = snap.end if to is None else to
+        return (
+            isinstance(snap, RemoteSnapshot)
+            and not snap.dropped
+            and snap.start <= to <= snap.end
+            and self.offset >= snap.start
+        )
+
+    def restore(self, snap: BaseSnapshot, to: int | None = None) -> None:
+        """``KVCache.restore`` on every other rank's caches: an offset move for a range their
+        buffers still hold, else the copy written back at ``snap.start``."""
+        to = snap.end if to is None else to
+        if not self.can_restore(snap, to):
+            raise ValueError(f"cannot restore {snap!r} to {to} at offset {self.offset}")
+        self.link.command(Command(Op.RESTORE, self.number, offset=to, snap=snap.number))
+        if snap.owner is self:
+            self.offset = to
+            return
+        snap.materialise()  # another set's range: the ranks copy it out first
+        self.wrote(snap.start, to)
+        self.offset = to
+        if to == snap.end and to > snap.start:
+            snap._relive(self)
+
+
+class Link:
+    """Rank 0's end of the channel: every command it sends, each within the watchdog's
+    bound."""
+
+    def __init__(self, channel: Channel, watchdog: Watchdog, row_bytes: int = 0) -> None:
+        self.channel = channel
+        self.watchdog = watchdog
+        self.row_bytes = row_bytes  # the other ranks' cache bytes a position (the accounting)
+        self.sets = 0  # cache sets made so far (their numbers)
+        self.snapshots = 0  # snapshot ids given so far
+
+    def forward(self, rows: mx.array, caches: RemoteCaches) -> mx.array:
+        """The other ranks' layers over ``rows`` ``[1, L, D]``: the last rank's output rows."""
+        count = rows.shape[1]
+        command = Command(Op.FORWARD, caches.number, count, caches.offset, DTYPES.index(rows.dtype))
+        # Rank 0's own layers first: a failure there leaves the other ranks untouched, while
+        # one after the header went out would leave them waiting for rows.
+        mx.eval(rows)
+        caches.wrote(caches.offset, caches.offset + count)
+        with self.watchdog.exchange("a forward"):
+            self.channel.send_command(command)
+            self.channel.send_rows(rows)
+            back = self.channel.recv_rows(count, rows.dtype)
+        caches.offset += count
+        return back
+
+    def command(self, command: Command) -> None:
+        with self.watchdog.exchange(command.op.name.lower()):
+            self.channel.send_command(command)
+
+    def new_set(self) -> RemoteCaches:
+        self.sets += 1
+        return RemoteCaches(self, self.sets)
+
+    def new_id(self) -> int:
+        """A snapshot id no other snapshot has had (the ranks key their snapshots by it)."""
+        self.snapshots += 1
+        return self.snapshots

@@ -1,0 +1,575 @@
+"""A model split across ranks (runner.distributed): the split, each rank's stage, and real
+runners over MLX's ring backend on loopback, compared token for token with one process (the
+prefix cache across ranks: tests/test_distributed_cache.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from protocol.errors import CodedError, LoadError
+from runner import blas, device
+from runner.cli import build_parser
+from runner.distributed import follower, inbound, ranks, stage
+from runner.distributed.channel import Command, Op, RankReport
+from runner.distributed.engine import PipelineEngine
+from runner.distributed.main import given_options, refusal
+from runner.distributed.split import plan_layers
+from runner.loader import load_model
+from runner.models.llama import Model
+from tests.conformance.harness import RunnerProcess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MOE = os.path.join(ROOT, "tests", "fixtures", "reference", "moe")
+LAYERS = 4
+LONG_PROMPT = " ".join(
+    ["The quick brown fox jumps over the lazy dog; the capital of France is Paris."] * 6
+)
+REQUESTS = [  # greedy, seeded, and a prompt of several prefill chunks (--prefill-chunk 32)
+    {"prompt": "The quick brown fox", "options": {"temperature": 0, "num_predict": 12}},
+    {"prompt": "Once upon a time", "options": {"temperature": 0.9, "seed": 11, "num_predict": 12}},
+    {"prompt": LONG_PROMPT, "options": {"temperature": 0.7, "seed": 3, "num_predict": 8}},
+    {"prompt": LONG_PROMPT, "options": {"temperature": 0, "num_predict": 8}},
+]
+
+
+def noop(*_args) -> None:
+    return None
+
+
+@pytest.fixture(scope="module")
+def deep_checkpoint(checkpoint_factory) -> str:
+    return checkpoint_factory("llama", num_hidden_layers=LAYERS)
+
+
+# ---------------------------------------------------------------------------- the split
+def test_the_split_minimises_the_largest_share_and_gives_every_rank_a_layer():
+    plan = plan_layers([10, 10, 10, 10, 10, 10], first=5, ranks=3)
+    assert plan.ranges == (range(0, 2), range(2, 4), range(4, 6))
+    assert plan.shares == (25, 20, 20)
+    plan = plan_layers([10, 30, 10, 10, 10, 10], first=5, ranks=2)
+    assert plan.ranges == (range(0, 2), range(2, 6)) and plan.shares == (45, 40)
+    # A heavy first rank still keeps one layer: every hop of the pipeline does work.
+    assert plan_layers([1, 1, 1], first=1000, ranks=3).ranges == (
+        range(0, 1),
+        range(1, 2),
+        range(2, 3),
+    )
+    with pytest.raises(ValueError, match="cannot be split"):
+        plan_layers([1, 1], first=0, ranks=3)
+
+
+def test_spawned_ranks_run_distributed_in_place_of_ranks():
+    argv = ["--model", "m", "--ranks", "3", "--log-level", "debug", "--ranks=2"]
+    assert ranks.follower_argv(argv) == ["--model", "m", "--log-level", "debug", "--distributed"]
+
+
+def test_spawned_ranks_share_the_cores_unless_the_user_set_a_share(monkeypatch):
+    names = (ranks.CORES, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(ranks, "usable_cores", lambda: 4)
+    assert ranks.thread_environment(2) == dict.fromkeys(names, "2")
+    assert ranks.thread_environment(3) == dict.fromkeys(names, "1")
+    assert ranks.thread_environment(8) == dict.fromkeys(names, "1")  # one thread at least
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a pool the user sized stays theirs
+    assert ranks.thread_environment(2) == {ranks.CORES: "2", "OPENBLAS_NUM_THREADS": "2"}
+    monkeypatch.setenv(ranks.CORES, "4")  # a share the user set: every rank runs with it
+    assert ranks.thread_environment(2) == {}
+    limited = []
+    monkeypatch.setattr(blas, "limit_cores", limited.append)
+    ranks.share_cores()
+    monkeypatch.setenv(ranks.CORES, "none")
+    ranks.share_cores()
+    monkeypatch.delenv(ranks.CORES)
+    ranks.share_cores()
+    assert limited == [4]
+
+
+def test_a_ranks_share_of_the_cores_narrows_its_blas_threads():
+    counts = blas.thread_counts()
+    if counts is None:
+        pytest.skip("the runner does not set this BLAS's thread counts")
+    try:
+        blas.limit_cores(1)
+        assert blas.thread_counts() == (1, 1)
+        assert "threads 1/1" in blas.blas_in_use()
+    finally:
+        blas.limit_cores(counts[1])
+    assert blas.thread_counts() == counts
+
+
+def _refusal(*argv: str) -> str | None:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    return refusal(args, given_options(parser, args, list(argv)))
+
+
+def test_options_the_pipeline_does_not_serve_are_refused_by_name(monkeypatch):
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    assert _refusal("--model", "m", "--ranks", "2") is None  # defaults are turned off instead
+    assert "--parallel 2" in _refusal("--model", "m", "--ranks", "2", "--parallel", "2")
+    assert _refusal("--model", "m", "--ranks", "2", "--parallel", "1") is None
+    assert "--draft-depth" in _refusal("--model", "m", "--ranks", "2", "--draft-depth", "2")
+    assert "--cache-dir" in _refusal("--model", "m", "--ranks", "2", "--cache-dir", "/tmp/x")
+    assert _refusal("--model", "m", "--ranks", "2", "--cache-bytes", "64M") is None
+    assert "--kv-bits" in _refusal("--model", "m", "--ranks", "2", "--kv-bits", "8")
+    assert "--model" in _refusal("--ranks", "2")
+    assert "mlx.launch" in _refusal("--model", "m", "--distributed")
+    # Repeatable options are told apart from their absence too.
+    assert _refusal("--model", "m", "--ranks", "2", "--inject-fault", "head-call=1") is None
+
+
+def test_a_family_the_pipeline_does_not_split_is_refused_before_reading_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3"}))
+    with pytest.raises(Exception, match="not split across ranks yet") as info:
+        stage.read_checkpoint(str(tmp_path), noop)
+    assert info.value.code == "unsupported_architecture"
+
+
+def test_more_ranks_than_layers_is_a_load_error_naming_the_limit(deep_checkpoint):
+    checkpoint = stage.read_checkpoint(deep_checkpoint, noop)
+    with pytest.raises(LoadError, match=f"use at most {LAYERS} ranks"):
+        stage.plan(checkpoint, LAYERS + 1, *stage.held_as(stage.StageLoad()))
+
+
+def test_rank_0_refuses_a_rank_that_failed_or_disagrees_before_ready():
+    plan = plan_layers([10, 10, 10, 10], first=5, ranks=2)
+    ours = RankReport(True, plan.ranges[0], 0, 0)
+    check = PipelineEngine._check
+    check([ours, RankReport(True, plan.ranges[1], 40, 0)], plan)  # agrees: no refusal
+    failed = RankReport(False, plan.ranges[1], code="missing_tensor", message="no such tensor")
+    with pytest.raises(
+        CodedError, match="rank 1 could not load layers 2-3: no such tensor"
+    ) as info:
+        check([ours, failed], plan)
+    assert info.value.code == "missing_tensor"
+    with pytest.raises(LoadError, match="same --dtype"):
+        check([ours, RankReport(True, plan.ranges[1], 40, 2)], plan)
+    with pytest.raises(LoadError, match="split the model differently"):
+        check([ours, RankReport(True, range(1, 4), 40, 0)], plan)
+
+
+# ---------------------------------------------------------------------------- the stages
+def _stages(path: str, size: int) -> tuple[list[Model], stage.LayerPlan]:
+    options = stage.StageLoad()
+    plan = stage.plan(stage.read_checkpoint(path, noop), size, *stage.held_as(options))
+    models = []
+    for rank, run in enumerate(plan.ranges):
+        checkpoint = stage.read_checkpoint(path, noop)
+        model = stage.load_stage(checkpoint, run, rank == 0, options, noop).model
+        stage.tune_stage(model, options)
+        models.append(model)
+    return models, plan
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("llama", {"quantize_bits": 4}),
+        ("mistral", {"sliding_window": 6}),  # the 20-row feed slides past the window
+    ],
+    ids=["llama", "qwen3", "llama-q4", "mistral-window"],
+)
+@pytest.mark.parametrize("size", [2, 3])
+def test_stages_in_turn_compute_the_whole_models_bits(checkpoint_factory, model_type, extra, size):
+    _check_stages(checkpoint_factory(model_type, num_hidden_layers=LAYERS, **extra), size)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe_fused"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_moe_stages_in_turn_compute_the_whole_models_bits(case, size):
+    # Three layers, the middle one dense: each stage keeps its layers' own kind.
+    _check_stages(os.path.join(MOE, case), size)
+
+
+def _check_stages(path: str, size: int) -> None:
+    whole = load_model(path).model
+    device.tune(whole, None)
+    models, _ = _stages(path, size)
+    whole_caches = whole.make_caches()
+    caches = [m.make_caches() for m in models]
+    for feed in (
+        [5, 9, 14, 3, 7, 22, 1, 8, 30, 2, 4, 6, 11, 12, 13, 15, 16, 17, 18, 19],
+        [40],
+        [41],
+    ):
+        tokens = mx.array([feed], dtype=mx.int32)
+        expected = whole.hidden(tokens, whole_caches)
+        rows = models[0].hidden(tokens, caches[0], prenorm=True)
+        for model, own in zip(models[1:], caches[1:], strict=True):
+            rows = model.hidden(rows, own, prenorm=True)
+        got = models[0].model.norm(rows)
+        assert mx.array_equal(got, expected).item(), feed
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_each_rank_holds_only_its_share_of_the_weights(deep_checkpoint, size):
+    options = stage.StageLoad()
+    plan = stage.plan(stage.read_checkpoint(deep_checkpoint, noop), size, *stage.held_as(options))
+    assert [i for run in plan.ranges for i in run] == list(range(LAYERS))
+    assert all(len(run) >= 1 for run in plan.ranges)
+    for rank, run in enumerate(plan.ranges):
+        checkpoint = stage.read_checkpoint(deep_checkpoint, noop)
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        model = stage.load_stage(checkpoint, run, rank == 0, options, noop).model
+        stage.tune_stage(model, options)
+        grown = mx.get_active_memory() - before
+        held = device.weight_bytes(model)
+        assert held <= plan.shares[rank] * 1.1, (rank, held, plan.shares)
+        assert grown <= plan.shares[rank] * 1.1, (rank, grown, plan.shares)
+        del model
+
+
+# ---------------------------------------------------------------------------- the commands
+class ScriptedChannel:
+    """A later rank's channel with rank 0's side scripted: commands and the rows that follow
+    them go in, the rows the rank hands on are kept."""
+
+    def __init__(self, script: list) -> None:
+        self.script = list(script)
+        self.sent: list[mx.array] = []
+        self.passed: list[Command] = []
+
+    def recv_command(self) -> Command:
+        return self.script.pop(0)
+
+    def send_command(self, command: Command) -> None:
+        self.passed.append(command)
+
+    def recv_rows(self, count: int, dtype: mx.Dtype) -> mx.array:
+        rows = self.script.pop(0)
+        assert rows.shape[1] == count and rows.dtype == dtype
+        return rows
+
+    def send_rows(self, rows: mx.array) -> None:
+        self.sent.append(rows)
+
+
+def _later_stage(path: str) -> Model:
+    options = stage.StageLoad()
+    plan = stage.plan(stage.read_checkpoint(path, noop), 2, *stage.held_as(options))
+    checkpoint = stage.read_checkpoint(path, noop)
+    model = stage.load_stage(checkpoint, plan.ranges[1], False, options, noop).model
+    stage.tune_stage(model, options)
+    return model
+
+
+def test_a_later_rank_rewinds_and_resets_its_caches_as_rank_0_commands(deep_checkpoint):
+    model = _later_stage(deep_checkpoint)
+    width = model.args.hidden_size
+    first = mx.random.normal((1, 5, width), key=mx.random.key(1))
+    second = mx.random.normal((1, 2, width), key=mx.random.key(2))
+    channel = ScriptedChannel(
+        [
+            Command(Op.FORWARD, 1, 5, 0),
+            first,
+            Command(Op.REWIND, 1, 3),
+            Command(Op.FORWARD, 1, 2, 3),
+            second,
+            Command(Op.RESET, 1),
+            Command(Op.FORWARD, 1, 2, 0),
+            second,
+            Command(Op.SHUTDOWN),
+        ]
+    )
+    follower.follow(channel, model)
+    assert [c.op for c in channel.passed][-1] is Op.SHUTDOWN  # every command passed on
+    caches = model.make_caches()
+    mx.eval(model.hidden(first[:, :3], caches, prenorm=True))
+    expected = model.hidden(second, caches, prenorm=True)
+    assert mx.array_equal(channel.sent[1], expected).item()
+    assert mx.array_equal(
+        channel.sent[2], model.hidden(second, model.make_caches(), prenorm=True)
+    ).item()
+
+
+def test_a_later_rank_out_of_step_with_rank_0_stops(deep_checkpoint):
+    model = _later_stage(deep_checkpoint)
+    rows = mx.zeros((1, 2, model.args.hidden_size))
+    channel = ScriptedChannel([Command(Op.FORWARD, 1, 2, 0), rows, Command(Op.FORWARD, 1, 2, 5)])
+    with pytest.raises(follower.OutOfStep, match="rest at 2"):
+        follower.follow(channel, model)
+
+
+# ---------------------------------------------------------------------------- real runners
+def _runner(path: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "runner", "--model", path, "--prefill-chunk", "32", *extra]
+
+
+async def _outputs(cmd: list[str], requests: list[dict] = REQUESTS) -> list[list[int]]:
+    runner = await RunnerProcess.start(cmd)
+    try:
+        # A completion cancelled mid-decode first: its caches rest where it stopped, and the
+        # next request starts them over (rank 0 commands the other ranks to).
+        await runner.send(
+            {
+                "type": "completion",
+                "id": "cancelled",
+                "prompt": "Once upon a time",
+                "options": {"temperature": 0, "num_predict": 1_000_000},
+            }
+        )
+        assert (await runner.reply("cancelled"))["type"] == "token"
+        await runner.send({"type": "cancel", "id": "cancelled"})
+        done = await runner.take(lambda f: f["type"] == "done" and f["id"] == "cancelled")
+        assert done["done_reason"] == "cancelled"
+        outputs = []
+        for index, request in enumerate(requests):
+            request_id = f"r{index}"
+            await runner.send({"type": "completion", "id": request_id, **request})
+            tokens, done = await runner.completion(request_id)
+            assert done["done_reason"] == "length", done
+            outputs.append([t for frame in tokens for t in frame["tokens"]])
+        # A shutdown request, not the end of stdin: mlx.launch never closes the ranks' stdin.
+        await runner.send({"type": "shutdown"})
+        assert await runner.wait_exit() == 0, runner.stderr_tail()
+    finally:
+        await runner.stop()
+    assert not runner.violations, runner.violations[:3]
+    return outputs
+
+
+def _launched(path: str) -> list[str]:
+    """The runner as two ranks ``mlx.launch`` starts on loopback (ring backend)."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    if not os.path.exists(launcher):
+        pytest.skip("mlx.launch is not installed next to this interpreter")
+    port = ranks.free_ports(1)[0]  # the launcher gives rank r port + r
+    return [
+        launcher,
+        *("--backend", "ring", "--hosts", ranks.LOOPBACK, "-n", "2"),
+        *("--starting-port", str(port), "--python", sys.executable),
+        *_runner(path, "--distributed")[1:],
+    ]
+
+
+async def test_ranks_give_one_process_output_token_for_token(deep_checkpoint):
+    expected = await _outputs(_runner(deep_checkpoint))
+    assert all(len(tokens) > 0 for tokens in expected)
+    for size in (2, 3):
+        assert await _outputs(_runner(deep_checkpoint, "--ranks", str(size))) == expected, size
+    # Under mlx.launch every rank's stdout reaches the host: only rank 0's frames may.
+    assert await _outputs(_launched(deep_checkpoint)) == expected
+
+
+async def test_ranks_split_a_moe_model_as_one_process_runs_it():
+    path = os.path.join(MOE, "qwen3_moe")
+    # Its context is 256 positions: the long prompt at half its length (still several chunks).
+    prompt = LONG_PROMPT[: len(LONG_PROMPT) // 2]
+    requests = [*REQUESTS[:2], {**REQUESTS[2], "prompt": prompt}, {**REQUESTS[3], "prompt": prompt}]
+    expected = await _outputs(_runner(path), requests)
+    assert await _outputs(_runner(path, "--ranks", "3"), requests) == expected
+
+
+async def test_ranks_say_speculation_is_off_in_ready(deep_checkpoint):
+    runner = await RunnerProcess.start(_runner(deep_checkpoint, "--ranks", "2"))
+    try:
+        assert runner.ready["mtp"] is False
+        assert "split across ranks" in runner.ready["mtp_detail"]
+        assert runner.ready["draft_sources"] == []
+    finally:
+        await runner.stop()
+
+
+def test_an_option_the_ranks_do_not_serve_is_refused_before_anything_starts(deep_checkpoint):
+    out = subprocess.run(
+        _runner(deep_checkpoint, "--ranks", "2", "--parallel", "2"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert "--parallel 2" in out.stderr
+
+
+@pytest.fixture(scope="module")
+def broken_checkpoint(tmp_path_factory, deep_checkpoint) -> str:
+    """The deep checkpoint without a tensor of its last layer (held by the last rank)."""
+    path = tmp_path_factory.mktemp("broken")
+    for name in os.listdir(deep_checkpoint):
+        source = os.path.join(deep_checkpoint, name)
+        if not name.endswith(".safetensors"):
+            (path / name).write_bytes(open(source, "rb").read())
+    for source in glob.glob(os.path.join(deep_checkpoint, "*.safetensors")):
+        tensors = mx.load(source)
+        tensors.pop(f"model.layers.{LAYERS - 1}.mlp.down_proj.weight", None)
+        mx.save_safetensors(str(path / os.path.basename(source)), tensors)
+    return str(path)
+
+
+async def test_a_rank_that_cannot_load_its_layers_refuses_before_ready(broken_checkpoint):
+    runner = await RunnerProcess.start(_runner(broken_checkpoint, "--ranks", "2"), wait_ready=False)
+    try:
+        error = await runner.take(lambda f: f["type"] in ("error", "ready"), timeout=60)
+        assert error["type"] == "error" and error["code"] == "missing_tensor", error
+        assert f"model.layers.{LAYERS - 1}.mlp.down_proj.weight" in error["message"]
+        assert "rank 1" in error["message"]
+        assert await runner.wait_exit(timeout=30) == 1
+    finally:
+        await runner.stop()
+    assert not runner.violations
+
+
+def _rank_pid(parent: int, rank: int) -> int:
+    """The pid of the rank ``parent`` started as ``rank`` (its environment says)."""
+    with open(f"/proc/{parent}/task/{parent}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    for pid in children:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"MLX_RANK={rank}".encode() in f.read().split(b"\0"):
+                return pid
+    raise AssertionError(f"no rank {rank} among {children}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the ranks in /proc")
+async def test_a_killed_rank_ends_the_request_with_an_error_and_rank_0_exits(deep_checkpoint):
+    runner = await RunnerProcess.start(_runner(deep_checkpoint, "--ranks", "3"))
+    try:
+        victim = _rank_pid(runner.proc.pid, 1)  # the middle of the chain
+        await runner.send(
+            {
+                "type": "completion",
+                "id": "long",
+                "prompt": "The quick brown fox",
+                "options": {"temperature": 0, "num_predict": 1_000_000},
+            }
+        )
+        first = await runner.reply("long")
+        assert first["type"] == "token"
+        os.kill(victim, signal.SIGKILL)
+        error = await runner.take(lambda f: f["type"] == "error" and f["id"] == "long")
+        assert f"rank 1 (pid {victim}) was killed by signal 9" in error["message"]
+        done = await runner.take(lambda f: f["type"] == "done" and f["id"] == "long")
+        assert done["done_reason"] == "error"
+        assert await runner.wait_exit(timeout=30) == 1
+        assert "Traceback" not in runner.stderr.decode(errors="replace")
+    finally:
+        await runner.stop()
+    assert not runner.violations
+    assert _gone(victim)
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer runs (reaped, or a zombie of a parent that exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid timeout
+   0: 0100007F:1F90 0100007F:C585 01 00000000:00000000 00:00000000 00000000     0        0 41 1
+   1: 0100007F:C585 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 42 1
+   2: 0100007F:1F90 0100007F:D092 06 00000000:00000000 03:00000B68 00000000     0        0 43 3
+   3: 0100007F:1F91 0100007F:D093 01 00000000:00000000 00:00000000 00000000     0        0 44 1
+"""
+
+
+def test_a_rank_finds_the_socket_its_previous_rank_sends_on(tmp_path):
+    # Port 0x1F90 = 8080 is ours: the established socket of ours on it, not the peer's end
+    # (inode 42, another process's) nor a closed one (43).
+    assert inbound.find_socket([TCP], {41: 7, 44: 9}, 8080) == 7
+    assert inbound.find_socket([TCP], {42: 7, 43: 8}, 8080) is None
+    assert inbound.find_socket([TCP], {44: 9}, 8081) == 9
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:8080"], ["127.0.0.1:8081"]]))
+    assert inbound.own_port(str(hosts), 1) == 8081
+    hosts.write_text(json.dumps([["127.0.0.1:8080", "127.0.0.1:8090"], ["127.0.0.1:8081"]]))
+    assert inbound.own_port(str(hosts), 0) is None  # several connections: MLX's own wait
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads the ranks' CPU time")
+async def test_waiting_ranks_leave_the_cores_to_the_working_one(deep_checkpoint):
+    runner = await RunnerProcess.start(_runner(deep_checkpoint, "--ranks", "3"))
+    try:
+        others = [_rank_pid(runner.proc.pid, rank) for rank in (1, 2)]
+        before = [_cpu_seconds(pid) for pid in others]
+        await asyncio.sleep(2.0)  # idle: both wait for rank 0's next command
+        used = [_cpu_seconds(pid) - b for pid, b in zip(others, before, strict=True)]
+        # MLX's receive alone retries its socket without pause: a core each.
+        assert all(seconds < 0.2 for seconds in used), used
+        await runner.send({"type": "completion", "id": "w", **REQUESTS[0]})  # still serving
+        _, done = await runner.completion("w")
+        assert done["done_reason"] == "length"
+    finally:
+        await runner.stop()
+
+
+def test_the_parser_knows_the_rank_options():
+    args = build_parser().parse_args(["--ranks", "2", "--rank-timeout", "5"])
+    assert args.ranks == 2 and args.rank_timeout == 5.0 and not args.distributed
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--ranks", "1"])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the ranks in /proc")
+async def test_a_rank_that_stops_answering_is_given_up_after_the_timeout(deep_checkpoint):
+    runner = await RunnerProcess.start(
+        _runner(deep_checkpoint, "--ranks", "2", "--rank-timeout", "1")
+    )
+    try:
+        victim = _rank_pid(runner.proc.pid, 1)
+        await runner.send(
+            {
+                "type": "completion",
+                "id": "stalled",
+                "prompt": "The quick brown fox",
+                "options": {"temperature": 0, "num_predict": 1_000_000},
+            }
+        )
+        assert (await runner.reply("stalled"))["type"] == "token"
+        os.kill(victim, signal.SIGSTOP)  # alive, but answers nothing: only the bound ends it
+        error = await runner.take(lambda f: f["type"] == "error" and f["id"] == "stalled")
+        assert "no reply from the other ranks within 1s" in error["message"]
+        done = await runner.take(lambda f: f["type"] == "done" and f["id"] == "stalled")
+        assert done["done_reason"] == "error"
+        assert await runner.wait_exit(timeout=30) == 1
+    finally:
+        await runner.stop()
+        if not _gone(victim):  # rank 0 kills the ranks it gives up on; never leave one stopped
+            os.kill(victim, signal.SIGKILL)
+    assert not runner.violations
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the ranks in /proc")
+async def test_sigterm_cancels_the_request_and_every_rank_exits(deep_checkpoint):
+    runner = await RunnerProcess.start(_runner(deep_checkpoint, "--ranks", "3"))
+    try:
+        others = [_rank_pid(runner.proc.pid, rank) for rank in (1, 2)]
+        await runner.send(
+            {
+                "type": "completion",
+                "id": "long",
+                "prompt": "The quick brown fox",
+                "options": {"temperature": 0, "num_predict": 1_000_000},
+            }
+        )
+        assert (await runner.reply("long"))["type"] == "token"
+        runner.signal(signal.SIGTERM)
+        done = await runner.take(lambda f: f["type"] == "done" and f["id"] == "long")
+        assert done["done_reason"] == "cancelled"
+        assert await runner.wait_exit(timeout=30) == 0
+    finally:
+        await runner.stop()
+    assert not runner.violations
+    assert all(_gone(pid) for pid in others)  # rank 0 waited for them

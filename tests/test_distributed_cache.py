@@ -1,0 +1,188 @@
+"""The prefix cache across ranks (runner.distributed.remote): the other ranks' snapshots
+kept where their layers are, under ids rank 0 gives, and real runners resuming from it as one
+process does."""
+
+from __future__ import annotations
+
+import contextlib
+
+import mlx.core as mx
+import pytest
+
+from cache.session import PrefixCache
+from runner.distributed import follower, stage
+from runner.distributed.channel import Command, Op
+from runner.distributed.engine import kv_row_bytes, windowed_layers
+from runner.distributed.remote import Link
+from runner.models.llama import Model
+from tests.conformance.harness import RunnerProcess
+from tests.test_distributed import (
+    LAYERS,
+    LONG_PROMPT,
+    ScriptedChannel,
+    _later_stage,
+    _runner,
+    noop,
+)
+
+
+@pytest.fixture(scope="module")
+def deep_checkpoint(checkpoint_factory) -> str:
+    return checkpoint_factory("llama", num_hidden_layers=LAYERS)
+
+
+class NoWatchdog:
+    @contextlib.contextmanager
+    def exchange(self, what: str, timed: bool = True):
+        yield
+
+
+class LoopChannel:
+    """Rank 0's channel to one later rank run in this process: each command is applied as it
+    is sent (``follower.apply``), a forward's rows run through the rank's stage."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.sets: dict[int, list] = {}
+        self.kept = follower.Snapshots()
+        self.pending: tuple[Command, list] | None = None
+        self.back: mx.array | None = None
+
+    def caches(self, number: int) -> list:
+        if number not in self.sets:
+            self.sets[number] = self.model.make_caches()
+        return self.sets[number]
+
+    def send_command(self, command: Command) -> None:
+        caches = self.caches(command.caches)
+        if command.op is Op.FORWARD:
+            self.pending = (command, caches)
+        else:
+            follower.apply(self, self.model, caches, self.kept, command)
+
+    def send_rows(self, rows: mx.array) -> None:
+        command, caches = self.pending
+        assert caches[0].offset == command.offset
+        self.back = self.model.hidden(rows, caches, prenorm=True)
+        mx.eval(self.back, [c.state for c in caches])
+
+    def recv_rows(self, count: int, dtype: mx.Dtype) -> mx.array:
+        return self.back
+
+    def held_bytes(self) -> int:
+        """Bytes of the copies this rank's kept snapshots hold (lazy ones hold none)."""
+        return sum(s.nbytes for snaps in self.kept.values() for s in snaps)
+
+
+def test_the_prefix_cache_keeps_a_later_ranks_snapshots_there_by_id(deep_checkpoint):
+    model = _later_stage(deep_checkpoint)
+    channel = LoopChannel(model)
+    args = stage.read_checkpoint(deep_checkpoint, noop).args
+    dtype = model.layers[0].input_layernorm.weight.dtype
+    layers = range(LAYERS - len(model.layers), LAYERS)
+    link = Link(channel, NoWatchdog(), kv_row_bytes(args, layers, dtype))
+    remote = link.new_set()
+    prefix = PrefixCache([remote], budget_bytes=1 << 30)
+    table = mx.random.normal((64, model.args.hidden_size), key=mx.random.key(5)).astype(dtype)
+
+    def turn(prompt: list[int], generated: list[int]) -> int:
+        """One request: what the prefix cache restored, the rest fed, the rows checked
+        against a fresh run over everything fed."""
+        session = prefix.begin(prompt)
+        fed = prompt + generated[:-1]
+        out = link.forward(table[mx.array([fed[session.cached :]])], remote)
+        expected = model.hidden(table[mx.array([fed])], model.make_caches(), prenorm=True)
+        assert mx.allclose(out, expected[:, session.cached :], atol=1e-5).item(), prompt
+        session.record(generated)
+        session.close()
+        # The trie holds a handle for every snapshot the rank holds, and counts its copies.
+        handles = {s.number for node in prefix.trie.nodes() for s in node.snapshots}
+        assert handles == set(channel.kept)
+        assert prefix.nbytes == channel.held_bytes() == prefix.trie.recount()
+        return session.cached
+
+    first, answer, more = list(range(1, 13)), [30, 31, 32], [40, 41, 42, 43]
+    assert turn(first, answer) == 0
+    assert turn(first + answer + more, [50, 51]) == len(first) + len(answer) - 1
+    assert prefix.nbytes == 0  # every snapshot is still a range of the live buffers
+    # A branch off the middle splits a node and overwrites the live ranges past it: the
+    # rank copies them out, and rank 0 counts the copies without asking.
+    assert turn(first[:5] + [60, 61, 62], [63]) == 5
+    assert prefix.nbytes > 0
+    # Back on the first branch: its copies are written into the live buffers again.
+    assert turn(first + answer + more + [50, 52], [53]) == len(first + answer + more) + 1
+    # Over budget: nodes are dropped and folded, and the rank lets their snapshots go.
+    prefix.budget_bytes = 0
+    assert turn(first[:3] + [20, 21], [22, 23]) == 3
+    assert prefix.nbytes == 0
+    prefix.clear()
+    assert not channel.kept
+
+
+def test_the_later_ranks_sliding_layers_are_what_turns_the_prefix_cache_off(checkpoint_factory):
+    path = checkpoint_factory("mistral", num_hidden_layers=LAYERS, sliding_window=6)
+    args = stage.read_checkpoint(path, noop).args
+    assert windowed_layers(args, range(2, LAYERS)) == [2, 3]
+    args = stage.read_checkpoint(checkpoint_factory("llama", num_hidden_layers=LAYERS), noop).args
+    assert windowed_layers(args, range(2, LAYERS)) == []
+
+
+def test_a_later_rank_told_of_a_snapshot_it_does_not_hold_stops(deep_checkpoint):
+    model = _later_stage(deep_checkpoint)
+    channel = ScriptedChannel([Command(Op.RESTORE, 1, offset=0, snap=7)])
+    with pytest.raises(follower.OutOfStep, match="no snapshot 7"):
+        follower.follow(channel, model)
+
+
+async def _chat(cmd: list[str]) -> list[tuple[list[int], int]]:
+    """A conversation over token ids whose later turns resume from the prefix cache, a
+    cancelled turn and a branch off the middle among them: each turn's ids and
+    ``prompt_cached_tokens``."""
+    runner = await RunnerProcess.start(cmd)
+    turns = []
+
+    async def turn(tokens: list[int], options: dict) -> list[int]:
+        request_id = f"t{len(turns)}"
+        await runner.send({"type": "completion", "id": request_id, "tokens": tokens, **options})
+        frames, done = await runner.completion(request_id)
+        ids = [t for frame in frames for t in frame["tokens"]]
+        turns.append((ids, done["prompt_cached_tokens"]))
+        return ids
+
+    try:
+        await runner.send({"type": "tokenize", "id": "p", "text": LONG_PROMPT})
+        prompt = (await runner.reply("p"))["tokens"]
+        greedy = {"options": {"temperature": 0, "num_predict": 8}}
+        seeded = {"options": {"temperature": 0.8, "seed": 4, "num_predict": 8}}
+        answer = await turn(prompt, greedy)
+        second = prompt + answer + prompt[:9]
+        reply = await turn(second, seeded)
+        # Cancelled mid-decode: the ranks' caches rest where it stopped.
+        options = {"temperature": 0, "num_predict": 1_000_000}
+        tokens = second + reply + prompt[3:12]
+        await runner.send({"type": "completion", "id": "x", "tokens": tokens, "options": options})
+        assert (await runner.reply("x"))["type"] == "token"
+        await runner.send({"type": "cancel", "id": "x"})
+        done = await runner.take(lambda f: f["type"] == "done" and f["id"] == "x")
+        assert done["done_reason"] == "cancelled"
+        await turn(second + reply + prompt[20:30], greedy)
+        await turn(prompt[:40] + answer, seeded)  # a branch off the middle of the first turn
+        await turn(second + reply + prompt[20:30], greedy)
+        await runner.send({"type": "shutdown"})
+        assert await runner.wait_exit() == 0, runner.stderr_tail()
+    finally:
+        await runner.stop()
+    assert not runner.violations, runner.violations[:3]
+    return turns
+
+
+async def test_ranks_resume_from_the_prefix_cache_as_one_process_does(deep_checkpoint):
+    # One process decoding plainly, as the ranks do: a speculating one may have fed its last
+    # token in a verify feed, so it can resume a position further on (the same output).
+    expected = await _chat(_runner(deep_checkpoint, "--no-draft"))
+    cached = [hit for _, hit in expected]
+    assert cached[0] == 0 and all(hit > 0 for hit in cached[1:]), cached
+    speculating = await _chat(_runner(deep_checkpoint))
+    assert [ids for ids, _ in speculating] == [ids for ids, _ in expected]
+    assert await _chat(_runner(deep_checkpoint, "--ranks", "2")) == expected
+    assert await _chat(_runner(deep_checkpoint, "--ranks", "3")) == expected
