@@ -346,6 +346,62 @@ def generation_summary(reply: dict, prompt_len: int) -> dict:
     }
 
 
+def engine_generate(engine: Any, prompt: list[int], n: int) -> dict:
+    """``n`` greedy tokens after ``prompt`` through the runner's ``Engine`` in process: each
+    token frame's arrival time and ids, and the prefill's seconds (the done frame's)."""
+    from protocol import frames as pf
+    from protocol.requests import Completion, Options
+
+    options = Options(temperature=0, repeat_penalty=1.0, num_predict=n)
+    request = Completion(id="b", tokens=prompt, options=options)
+    tokens, done = [], {}
+    t0 = time.perf_counter()
+
+    def emit(frame) -> None:
+        if isinstance(frame, pf.Token):
+            tokens.append((time.perf_counter() - t0, list(frame.tokens)))
+        elif isinstance(frame, pf.Done):
+            done["prefill_s"] = frame.prompt_eval_ns / 1e9
+
+    engine.run(engine.prepare(request), emit, lambda: False)
+    return {"tokens": tokens, "prefill_s": done["prefill_s"]}
+
+
+def mlx_lm_side(directory: str) -> tuple[Any, Callable[[dict], dict], dict]:
+    """Inside a venv with mlx-lm: its own model of ``directory``, a greedy ``generate``
+    command (``prompt``, ``n``: arrival times and ids, the first token's time as prefill) and
+    the worker's info. MKL runs on every core for everything, as mlx-lm runs by default (the
+    runner's own split would give it one fewer core for decoding, which it never widens for
+    its prefill)."""
+    blas = preload_runner_blas(threads=os.cpu_count() or 1)
+    import importlib.metadata
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(directory))
+
+    def greedy(logprobs: Any) -> Any:
+        return mx.argmax(logprobs, axis=-1)
+
+    def generate(command: dict) -> dict:
+        tokens = []
+        t0 = time.perf_counter()
+        prompt = mx.array(command["prompt"])
+        for token, _ in generate_step(prompt, model, max_tokens=command["n"], sampler=greedy):
+            tokens.append((time.perf_counter() - t0, [int(token)]))
+        return {"tokens": tokens, "prefill_s": tokens[0][0]}
+
+    info = {
+        "blas": f"{blas.blas_in_use()}, MKL_NUM_THREADS={os.environ['MKL_NUM_THREADS']}",
+        "mlx": mx.__version__,
+        "mlx_lm": importlib.metadata.version("mlx-lm"),
+    }
+    return model, generate, info
+
+
 # ----------------------------------------------------------------------------- token timing
 def flatten_ids(tokens: Sequence[tuple[float, list[int]]]) -> list[int]:
     return [i for _, ids in tokens for i in ids]

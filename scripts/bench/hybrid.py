@@ -172,8 +172,6 @@ def runner_worker(directory: str) -> None:
     from cache.recurrent import RecurrentCache
     from drafting.mlx_ops import MlxRoundOps
     from drafting.session import Proposal
-    from protocol import frames as pf
-    from protocol.requests import Completion, Options
     from runner.decoder import prefill
     from runner.engine import Engine, EngineOptions
     from runner.sampler import Sampler, SamplingParams
@@ -182,22 +180,7 @@ def runner_worker(directory: str) -> None:
     model = engine.model
 
     def generate(command: dict) -> dict:
-        request = Completion(
-            id="b",
-            tokens=command["prompt"],
-            options=Options(temperature=0, repeat_penalty=1.0, num_predict=command["n"]),
-        )
-        tokens, done = [], {}
-        t0 = time.perf_counter()
-
-        def emit(frame) -> None:
-            if isinstance(frame, pf.Token):
-                tokens.append((time.perf_counter() - t0, list(frame.tokens)))
-            elif isinstance(frame, pf.Done):
-                done["prefill_s"] = frame.prompt_eval_ns / 1e9
-
-        engine.run(engine.prepare(request), emit, lambda: False)
-        return {"tokens": tokens, "prefill_s": done["prefill_s"]}
+        return bc.engine_generate(engine, command["prompt"], command["n"])
 
     def seam(command: dict) -> dict:
         """Median seconds of a one-row step, each verify size, the rollback of a rejection
@@ -245,38 +228,8 @@ def runner_worker(directory: str) -> None:
 # ----------------------------------------------------------------------------- mlx-lm side
 def mlx_lm_worker(directory: str) -> None:
     """Runs inside .venv-ref: mlx-lm's own qwen3_5 model and generate loop, greedy."""
-    # MKL on every core for everything, as mlx-lm runs by default (the preload would set the
-    # runner's one-fewer-core decode count, which mlx-lm never widens for its prefill).
-    blas = bc.preload_runner_blas(threads=os.cpu_count() or 1)
-    from pathlib import Path
-
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(Path(directory))
-
-    def greedy(logprobs: mx.array) -> mx.array:
-        return mx.argmax(logprobs, axis=-1)
-
-    def handle(command: dict) -> dict:
-        tokens = []
-        t0 = time.perf_counter()
-        steps = generate_step(
-            mx.array(command["prompt"]), model, max_tokens=command["n"], sampler=greedy
-        )
-        for token, _ in steps:
-            tokens.append((time.perf_counter() - t0, [int(token)]))
-        return {"tokens": tokens, "prefill_s": tokens[0][0]}
-
-    import importlib.metadata
-
-    info = {
-        "blas": f"{blas.blas_in_use()}, MKL_NUM_THREADS={os.environ['MKL_NUM_THREADS']}",
-        "mlx": mx.__version__,
-        "mlx_lm": importlib.metadata.version("mlx-lm"),
-    }
-    bc.serve_worker(info, handle)
+    _, generate, info = bc.mlx_lm_side(directory)
+    bc.serve_worker(info, generate)
 
 
 # ----------------------------------------------------------------------------- main

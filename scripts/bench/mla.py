@@ -180,8 +180,6 @@ def runner_worker(directory: str) -> None:
     """This runner's Engine in process (prefix cache off, no drafting)."""
     sys.path.insert(0, bc.ROOT)
     import runner
-    from protocol import frames as pf
-    from protocol.requests import Completion, Options
     from runner.engine import Engine, EngineOptions
     from runner.models.mla import cache_bytes_per_token
     from runner.prefill import prefill
@@ -190,22 +188,7 @@ def runner_worker(directory: str) -> None:
     model = engine.model
 
     def generate(command: dict) -> dict:
-        request = Completion(
-            id="b",
-            tokens=command["prompt"],
-            options=Options(temperature=0, repeat_penalty=1.0, num_predict=command["n"]),
-        )
-        tokens, done = [], {}
-        t0 = time.perf_counter()
-
-        def emit(frame) -> None:
-            if isinstance(frame, pf.Token):
-                tokens.append((time.perf_counter() - t0, list(frame.tokens)))
-            elif isinstance(frame, pf.Done):
-                done["prefill_s"] = frame.prompt_eval_ns / 1e9
-
-        engine.run(engine.prepare(request), emit, lambda: False)
-        return {"tokens": tokens, "prefill_s": done["prefill_s"]}
+        return bc.engine_generate(engine, command["prompt"], command["n"])
 
     def cache(command: dict) -> dict:
         caches = model.make_caches()
@@ -275,30 +258,9 @@ def profile_step(model, prompt: list[int], reps: int) -> dict:
 # ----------------------------------------------------------------------------- mlx-lm side
 def mlx_lm_worker(directory: str) -> None:
     """Runs inside .venv-bench: mlx-lm's own glm4_moe_lite model and generate loop, greedy."""
-    # MKL on every core for everything, as mlx-lm runs by default (the preload would set the
-    # runner's one-fewer-core decode count, which mlx-lm never widens for its prefill).
-    blas = bc.preload_runner_blas(threads=os.cpu_count() or 1)
-    from pathlib import Path
-
+    model, generate, info = bc.mlx_lm_side(directory)
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(Path(directory))
-
-    def greedy(logprobs: mx.array) -> mx.array:
-        return mx.argmax(logprobs, axis=-1)
-
-    def generate(command: dict) -> dict:
-        tokens = []
-        t0 = time.perf_counter()
-        steps = generate_step(
-            mx.array(command["prompt"]), model, max_tokens=command["n"], sampler=greedy
-        )
-        for token, _ in steps:
-            tokens.append((time.perf_counter() - t0, [int(token)]))
-        return {"tokens": tokens, "prefill_s": tokens[0][0]}
 
     def cache(command: dict) -> dict:
         caches = make_prompt_cache(model)
@@ -306,14 +268,7 @@ def mlx_lm_worker(directory: str) -> None:
         mx.eval([c.state for c in caches])
         return {"bytes_per_token": cache_row_bytes([(c.keys, c.values) for c in caches])}
 
-    import importlib.metadata
-
     ops = {"generate": generate, "cache": cache}
-    info = {
-        "blas": f"{blas.blas_in_use()}, MKL_NUM_THREADS={os.environ['MKL_NUM_THREADS']}",
-        "mlx": mx.__version__,
-        "mlx_lm": importlib.metadata.version("mlx-lm"),
-    }
     bc.serve_worker(info, lambda c: ops[c["op"]](c))
 
 
