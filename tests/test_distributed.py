@@ -1,6 +1,7 @@
 """A model split across ranks (runner.distributed): the split, each rank's stage, and real
 runners over MLX's ring backend on loopback, compared token for token with one process (the
-prefix cache across ranks: tests/test_distributed_cache.py)."""
+prefix cache across ranks: tests/test_distributed_cache.py; speculation:
+tests/test_distributed_speculation.py)."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def test_options_the_pipeline_does_not_serve_are_refused_by_name(monkeypatch):
     assert _refusal("--model", "m", "--ranks", "2") is None  # defaults are turned off instead
     assert "--parallel 2" in _refusal("--model", "m", "--ranks", "2", "--parallel", "2")
     assert _refusal("--model", "m", "--ranks", "2", "--parallel", "1") is None
-    assert "--draft-depth" in _refusal("--model", "m", "--ranks", "2", "--draft-depth", "2")
+    assert _refusal("--model", "m", "--ranks", "2", "--draft-depth", "2", "--draft", "d") is None
     assert "--cache-dir" in _refusal("--model", "m", "--ranks", "2", "--cache-dir", "/tmp/x")
     assert _refusal("--model", "m", "--ranks", "2", "--cache-bytes", "64M") is None
     assert "--kv-bits" in _refusal("--model", "m", "--ranks", "2", "--kv-bits", "8")
@@ -371,16 +372,6 @@ async def test_ranks_split_a_moe_model_as_one_process_runs_it():
     requests = [*REQUESTS[:2], {**REQUESTS[2], "prompt": prompt}, {**REQUESTS[3], "prompt": prompt}]
     expected = await _outputs(_runner(path), requests)
     assert await _outputs(_runner(path, "--ranks", "3"), requests) == expected
-
-
-async def test_ranks_say_speculation_is_off_in_ready(deep_checkpoint):
-    runner = await RunnerProcess.start(_runner(deep_checkpoint, "--ranks", "2"))
-    try:
-        assert runner.ready["mtp"] is False
-        assert "split across ranks" in runner.ready["mtp_detail"]
-        assert runner.ready["draft_sources"] == []
-    finally:
-        await runner.stop()
 
 
 def test_an_option_the_ranks_do_not_serve_is_refused_before_anything_starts(deep_checkpoint):

@@ -177,12 +177,13 @@ async def _chat(cmd: list[str]) -> list[tuple[list[int], int]]:
 
 
 async def test_ranks_resume_from_the_prefix_cache_as_one_process_does(deep_checkpoint):
-    # One process decoding plainly, as the ranks do: a speculating one may have fed its last
-    # token in a verify feed, so it can resume a position further on (the same output).
     expected = await _chat(_runner(deep_checkpoint, "--no-draft"))
     cached = [hit for _, hit in expected]
     assert cached[0] == 0 and all(hit > 0 for hit in cached[1:]), cached
-    speculating = await _chat(_runner(deep_checkpoint))
+    assert await _chat(_runner(deep_checkpoint, "--no-draft", "--ranks", "2")) == expected
+    # Speculating at a fixed depth (the suffix drafter): a verify feed may have fed a turn's
+    # last token, so a turn can resume a position further on, as it does in one process.
+    fixed = ("--draft-depth", "2")
+    speculating = await _chat(_runner(deep_checkpoint, *fixed))
     assert [ids for ids, _ in speculating] == [ids for ids, _ in expected]
-    assert await _chat(_runner(deep_checkpoint, "--ranks", "2")) == expected
-    assert await _chat(_runner(deep_checkpoint, "--ranks", "3")) == expected
+    assert await _chat(_runner(deep_checkpoint, *fixed, "--ranks", "3")) == speculating

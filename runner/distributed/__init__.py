@@ -10,4 +10,7 @@ in ``poll``, not in MLX's spinning receive: ``inbound``), and a watchdog bounds 
 (``watchdog``). The prefix cache drives the other ranks' caches through one stand-in cache
 whose snapshots stay on the ranks that hold the layers (``remote``). ``ranks`` sets up the
 environment (each local rank's share of the cores), ``main`` runs a rank.
+Speculation runs on rank 0 as in one process (the suffix drafter, or an MTP head beside the
+embedding and the final hidden rows): a verify feed is one forward down the chain and its
+rejected rows one rewind command.
 """

@@ -40,6 +40,8 @@ class Op(IntEnum):
     DROP = 7  # snap
     SPLIT = 8  # offset (where), snap (split and dropped), head, tail (the new ids)
     MERGE = 9  # snap (the new id), head, tail (merged and dropped)
+    # Lay the layers out for verify rows as rank 0 did (``runner.device.tune`` with a head).
+    ROW_LAYOUT = 10
 
 
 @dataclass(frozen=True)

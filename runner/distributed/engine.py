@@ -1,41 +1,61 @@
 """Rank 0's engine: ``runner.engine.Engine`` over the pipelined model.
 
 Everything above the model is the one-process engine's (preparation, the scheduler, streams,
-sampling, emission), so the protocol and the output are the same. What this slice does not
-serve across ranks is turned off before ``ready`` and said where the host sees it: no
-speculation (``ready``'s ``mtp_detail``) and one completion at a time (the log);
-``runner.distributed.main`` refuses the options that ask for them explicitly. The prefix
-cache is served (``runner.distributed.remote``) where every later rank's layers attend in
-full; with a sliding window there it is off, and the log says so.
+sampling, emission, speculation), so the protocol and the output are the same. Speculation
+needs nothing more of the other ranks than a multi-row forward and rewinds: the suffix
+drafter reads only the text, and the MTP head lives on rank 0, which holds the embedding and
+gets the final hidden rows back (a head fusing residual streams reads only rank 0's layers:
+``runner.distributed.pipeline``). The head is built against the whole model's shape (a
+sidecar names the target's layer count; rank 0's stage holds only its share), and when
+rank 0 lays its layers out for verify rows the other ranks are told to as well
+(``Op.ROW_LAYOUT``), so every rank computes what one process computes. What this slice does
+not serve across ranks is turned off before ``ready`` and said where the host sees it: one
+completion at a time (the log); ``runner.distributed.main`` refuses the options that ask for
+it explicitly. The prefix cache is served (``runner.distributed.remote``) where every later
+rank's layers attend in full; with a sliding window there it is off, and the log says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import mlx.core as mx
 
-from protocol.errors import CodedError, LoadError
+from protocol.errors import CodedError, DraftHeadError, LoadError
 from runner.distributed import stage
-from runner.distributed.channel import DTYPES, Channel, RankReport, handshake
+from runner.distributed.channel import DTYPES, Channel, Command, Op, RankReport, handshake
 from runner.distributed.pipeline import pipeline_class
 from runner.distributed.remote import Link
 from runner.distributed.split import LayerPlan
 from runner.distributed.watchdog import Watchdog
 from runner.engine import Engine, EngineOptions, Progress
+from runner.heads import load_draft_head
 from runner.loader import LoadedModel
 from runner.models import llama
+from runner.models.gemma4_assistant import is_assistant
 from runner.models.llama import Model
 
 log = logging.getLogger("mtp_runner.distributed")
 
-NO_SPECULATION = "no speculation: a model split across ranks decodes plainly for now"
-
 
 def served_options(options: EngineOptions) -> EngineOptions:
     """``options`` with what the pipeline does not serve yet turned off."""
-    return dataclasses.replace(options, use_draft=False, parallel=1)
+    return dataclasses.replace(options, parallel=1)
+
+
+class WholeShape:
+    """Rank 0's model as a head sees it: its embedding, output projection and family, with
+    the whole model's arguments (a sidecar was made for the whole target's layer count, and
+    the head's block is built as one process builds it)."""
+
+    def __init__(self, model: Model, args: llama.ModelArgs) -> None:
+        self._model = model
+        self.args = args
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._model, name)
 
 
 class PipelineEngine(Engine):
@@ -51,8 +71,11 @@ class PipelineEngine(Engine):
     ) -> None:
         self.group = group
         self.watchdog = watchdog
-        log.info("across %d ranks: no speculation, one completion at a time", group.size())
+        self.whole_args: llama.ModelArgs | None = None  # set by ``_load``
+        log.info("across %d ranks: one completion at a time", group.size())
         super().__init__(served_options(options), progress)
+        if self.tuning.row_layout:  # the other ranks' layers take verify rows as rank 0's do
+            self.model.link.command(Command(Op.ROW_LAYOUT))
 
     def _load(self, path: str, report: Progress) -> LoadedModel:
         """Rank 0's stage, once every rank has loaded its own (refused before ``ready``
@@ -72,6 +95,7 @@ class PipelineEngine(Engine):
         reports = self._handshake(RankReport(True, run, 0, dtype))
         self._check(reports, plan)
         log.info("layer split: %s", plan.describe())
+        self.whole_args = checkpoint.args
         channel = Channel(self.group, checkpoint.args.hidden_size)
         later = range(run.stop, plan.ranges[-1].stop)
         row_bytes = kv_row_bytes(checkpoint.args, later, DTYPES[dtype])
@@ -112,7 +136,30 @@ class PipelineEngine(Engine):
                 )
 
     def _head(self) -> tuple[object | None, str]:
-        return None, NO_SPECULATION
+        """The MTP head on rank 0, found and checked as one process finds it, against the
+        whole model's shape; a Gemma 4 assistant (it drafts over the target's own caches) is
+        refused by name."""
+        options = self.options
+        if self.feed_dependent or not options.use_draft or "head" not in options.draft_sources:
+            return super()._head()  # no head: the one-process engine's reason
+        path = options.draft_path
+        if path and is_assistant(os.path.expanduser(path)):
+            raise DraftHeadError(
+                "an assistant model drafts over the target's own caches, which are split "
+                "across ranks: not served across ranks yet",
+                path=path,
+            )
+        whole = dataclasses.replace(self.loaded, model=WholeShape(self.model, self.whole_args))
+        head, detail = load_draft_head(whole, path)
+        if head is not None and head.config.feature_layers:  # rows carry the fused streams
+            try:
+                self.model.use_draft_features(tuple(head.config.feature_layers))
+            except DraftHeadError as exc:
+                if path:  # asked for by name: refused, as one process refuses a bad head
+                    raise
+                log.warning("%s: not usable across ranks: %s", detail, exc)
+                return None, f"{detail}: not usable across ranks: {exc}"
+        return head, detail
 
     def _warm_up(self, report: Progress) -> None:
         """Trace rank 0's own compiled blocks for one- and two-row feeds (the other ranks

@@ -21,6 +21,7 @@ from protocol.errors import CodedError
 from runner import device
 from runner.distributed import stage
 from runner.distributed.channel import DTYPES, Channel, Command, Op, RankReport, handshake
+from runner.models import layers
 from runner.models.llama import Model
 
 log = logging.getLogger("mtp_runner.distributed")
@@ -135,6 +136,18 @@ def apply(channel: Channel, model: Model, caches: list, kept: Snapshots, command
         heads, tails = kept.take(command.head), kept.take(command.tail)
         merged = [concat_snapshots(h, t) for h, t in zip(heads, tails, strict=True)]
         kept.add(command.snap, merged)
+    elif op is Op.ROW_LAYOUT:
+        add_row_layout(model)
+
+
+def add_row_layout(model: Model) -> None:
+    """The verify-row copy of the packed weights (``runner.device.tune`` adds it on rank 0
+    with a head, which only rank 0 knows it serves), compiled blocks traced afresh: they keep
+    the weights they traced."""
+    compiled = device.uncompile_blocks(model)
+    layers.add_row_layout(model)
+    if compiled:
+        device.compile_blocks(model)
 
 
 class Snapshots(dict):

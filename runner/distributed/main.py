@@ -43,10 +43,6 @@ log = logging.getLogger("mtp_runner.distributed")
 
 # Options asking for what the pipeline does not serve yet: refused when given explicitly.
 NOT_YET = {
-    "draft": "speculation",
-    "draft_depth": "speculation",
-    "draft_sources": "speculation",
-    "max_draft": "speculation",
     "cache_dir": "the prefix cache's disk tier",
     "cache_disk_bytes": "the prefix cache's disk tier",
     "kv_bits": "quantized KV caches",

@@ -8,7 +8,11 @@ Its caches are its own layers' caches followed by one ``RemoteCaches``
 (``runner.distributed.remote``): the other ranks' caches of the same set, whose offset rank
 0 mirrors and whose rewinds, resets, snapshots and restores are commands to those ranks.
 Every exchange is synchronous and bounded by the watchdog; the pipelined decoder's overlap
-of host work with the forward is lost across ranks for now.
+of host work with the forward is lost across ranks for now. A speculative verify is one
+multi-row forward like a prefill chunk, and its rejected rows one rewind. A draft head that
+fuses residual streams (``use_draft_features``) is served where every stream it reads is
+one of rank 0's layers: rank 0 keeps them and joins them to the final rows that come back;
+a stream held by another rank is refused by name (it would cross the link every forward).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from protocol.errors import DraftHeadError
 from runner.distributed.remote import Link
 from runner.models.llama import LayerHook, Mask, Model
 
@@ -32,6 +37,21 @@ class PipelineModel(Model):
     def make_caches(self) -> list:
         return [*super().make_caches(), self.link.new_set()]
 
+    def use_draft_features(self, layers: tuple[int, ...]) -> None:
+        """A fused head's streams (k: after k layers of the whole model), each after one of
+        rank 0's layers (module docstring)."""
+        own = len(self.layers)
+        if any(k > own for k in layers):
+            raise DraftHeadError(
+                f"the head fuses the streams after layers {list(layers)}; across ranks only "
+                f"those after rank 0's layers (1..{own}) are served: fewer ranks, or a head "
+                "fusing earlier layers"
+            )
+        if list(layers) != sorted(set(layers)) or any(k < 1 for k in layers):
+            raise ValueError(f"feature layers must increase strictly from 1: {layers}")
+        object.__setattr__(self, "draft_features", tuple(layers))
+        object.__setattr__(self, "draft_stream_layers", frozenset(k - 1 for k in layers))
+
     def hidden(
         self,
         tokens: mx.array,
@@ -40,11 +60,18 @@ class PipelineModel(Model):
         prenorm: bool = False,
         on_layer: LayerHook | None = None,
     ) -> mx.array:
-        if mask is not None or on_layer is not None or self.draft_features:
-            raise NotImplementedError("masks, layer hooks and fused features across ranks")
+        if mask is not None or on_layer is not None:
+            raise NotImplementedError("masks and layer hooks across ranks")
         *own, remote = caches
-        rows = super().hidden(tokens, own, prenorm=True)
+        layers = self.draft_features
+        rows, streams = self._stack(tokens, own, None, None, layers)
         rows = self.link.forward(rows, remote)
+        if layers:
+            return (
+                mx.concatenate([*streams, rows], axis=-1)
+                if prenorm
+                else self.draft_rows(rows, streams)
+            )
         return rows if prenorm else self.model.norm(rows)
 
     def rows_refusal(self) -> str | None:

@@ -17,6 +17,13 @@ a ``RemoteSnapshot`` counts the other ranks' bytes of its copy (``row_bytes`` a 
 without asking them. Only full-attention layers are served this way: a sliding window's
 snapshot is only restorable where the window was kept, which rank 0 would have to ask about.
 
+A speculative round uses no more of the contract than plain decoding: a verify is one
+multi-row forward, its rejected rows one ``rewind`` (the REWIND command). The other ranks'
+layers are full or sliding-window attention (the split families have no recurrent layers),
+so ``BaseCache``'s defaults hold for the set as they do for a ``KVCache``: nothing to
+``keep``, every position up to the offset a rewind point, and a round's rewinds stay within
+what a sliding window keeps (``drafting.mlx_ops``).
+
 ``Link`` is rank 0's end of the channel, through which all of these commands and the
 forwards go, each bounded by the watchdog.
 """
