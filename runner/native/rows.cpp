@@ -10,6 +10,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flash.h"
@@ -239,53 +240,65 @@ void attend_row_scalar(
 }
 
 // One query row against keys [0, n) (scores in log2 units: e**x is 2**(x log2 e)).
-void attend_row(
-    const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n, int D,
-    float scale, float* scores, float* out) {
-  const FloatRows kr{k, ks}, vr{v, vs};
+// attend_row_vec for D = 16 * C where a vector kernel exists (keys and values as float rows or
+// packed quantized rows); false for any other D.
+template <typename K>
+bool attend_row_vec_any(
+    const float* q, const K& k, const K& v, int64_t n, int D, float scale, float* scores,
+    float* out) {
   switch (D) {
     case 16:
-      return attend_row_vec<1>(q, kr, vr, n, scale, scores, out);
+      return attend_row_vec<1>(q, k, v, n, scale, scores, out), true;
     case 32:
-      return attend_row_vec<2>(q, kr, vr, n, scale, scores, out);
+      return attend_row_vec<2>(q, k, v, n, scale, scores, out), true;
     case 64:
-      return attend_row_vec<4>(q, kr, vr, n, scale, scores, out);
+      return attend_row_vec<4>(q, k, v, n, scale, scores, out), true;
     case 80:
-      return attend_row_vec<5>(q, kr, vr, n, scale, scores, out);
+      return attend_row_vec<5>(q, k, v, n, scale, scores, out), true;
     case 96:
-      return attend_row_vec<6>(q, kr, vr, n, scale, scores, out);
+      return attend_row_vec<6>(q, k, v, n, scale, scores, out), true;
     case 128:
-      return attend_row_vec<8>(q, kr, vr, n, scale, scores, out);
+      return attend_row_vec<8>(q, k, v, n, scale, scores, out), true;
     case 256:
-      return attend_row_vec<16>(q, kr, vr, n, scale, scores, out);
+      return attend_row_vec<16>(q, k, v, n, scale, scores, out), true;
     default:
-      return attend_row_scalar(q, k, ks, v, vs, n, D, scale, scores, out);
+      return false;
   }
 }
 
-// The same over packed quantized rows (D a multiple of 16 up to 256, checked by the op).
+// One query row over float rows: the vector kernel, else the scalar one (any D).
+void attend_one(
+    const float* q, const FloatRows& k, const FloatRows& v, int64_t n, int D, float scale,
+    float* scores, float* out) {
+  if (!attend_row_vec_any(q, k, v, n, D, scale, scores, out))
+    attend_row_scalar(q, k.p, k.s, v.p, v.s, n, D, scale, scores, out);
+}
+
+// One query row over packed quantized rows (D one of the vector sizes, checked by the op).
 template <int Bits>
-void attend_qrow(
+void attend_one(
     const float* q, const QuantRows<Bits>& k, const QuantRows<Bits>& v, int64_t n, int D,
     float scale, float* scores, float* out) {
-  switch (D / 16) {
-    case 1:
-      return attend_row_vec<1>(q, k, v, n, scale, scores, out);
-    case 2:
-      return attend_row_vec<2>(q, k, v, n, scale, scores, out);
-    case 4:
-      return attend_row_vec<4>(q, k, v, n, scale, scores, out);
-    case 5:
-      return attend_row_vec<5>(q, k, v, n, scale, scores, out);
-    case 6:
-      return attend_row_vec<6>(q, k, v, n, scale, scores, out);
-    case 8:
-      return attend_row_vec<8>(q, k, v, n, scale, scores, out);
-    case 16:
-      return attend_row_vec<16>(q, k, v, n, scale, scores, out);
-    default:
-      return;  // refused by row_attention_quantized
-  }
+  attend_row_vec_any(q, k, v, n, D, scale, scores, out);
+}
+
+// Every query row of q [B, H, L, D] (the last L positions of T keys, each row over the keys up
+// to its own) against its group's keys and values, ``rows(b, g)`` giving them as a pair.
+template <typename RowsOf>
+void attend_rows(
+    const Rows4& qo, float* y, int B, int H, int L, int D, int G, int64_t T, float log2_scale,
+    RowsOf rows) {
+  std::vector<float> scores(static_cast<size_t>(T));
+  const int per_group = H / G;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const auto [kr, vr] = rows(b, h / per_group);
+      for (int i = 0; i < L; ++i) {
+        const float* qi = qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2;
+        float* yi = y + ((static_cast<int64_t>(b) * H + h) * L + i) * D;
+        attend_one(qi, kr, vr, T - L + i + 1, D, log2_scale, scores.data(), yi);
+      }
+    }
 }
 
 } // namespace
@@ -328,20 +341,12 @@ void RowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
     const Rows4 qo = rows4(qp, qsh, qst, qbuf);
     const Rows4 ko = rows4(kp, ksh, kst, kbuf);
     const Rows4 vo = rows4(vp, ksh, vst, vbuf);
-    std::vector<float> scores(static_cast<size_t>(T));
     const float log2_scale = scale * 1.4426950408889634f; // scores in log2 units
-    const int per_group = H / G;
-    for (int b = 0; b < B; ++b)
-      for (int h = 0; h < H; ++h) {
-        const int g = h / per_group;
-        const float* kb = ko.data + b * ko.s0 + g * ko.s1;
-        const float* vb = vo.data + b * vo.s0 + g * vo.s1;
-        for (int i = 0; i < L; ++i) {
-          const float* qi = qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2;
-          float* yi = y + ((static_cast<int64_t>(b) * H + h) * L + i) * D;
-          attend_row(qi, kb, ko.s2, vb, vo.s2, T - L + i + 1, D, log2_scale, scores.data(), yi);
-        }
-      }
+    attend_rows(qo, y, B, H, L, D, G, T, log2_scale, [&](int b, int g) {
+      return std::pair{
+          FloatRows{ko.data + b * ko.s0 + g * ko.s1, ko.s2},
+          FloatRows{vo.data + b * vo.s0 + g * vo.s1, vo.s2}};
+    });
   });
 }
 
@@ -386,19 +391,11 @@ void run_quantized(
   int shift = 0;
   while ((16 << shift) < group) ++shift;
   const int qbytes = D * Bits / 8, groups = D / group;
-  std::vector<float> scores(static_cast<size_t>(T));
-  const int per_group = H / G;
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < H; ++h) {
-      const int g = h / per_group;
-      const QuantRows<Bits> kr{ko.data + b * ko.s0 + g * ko.s1, ko.s2, qbytes, groups, shift};
-      const QuantRows<Bits> vr{vo.data + b * vo.s0 + g * vo.s1, vo.s2, qbytes, groups, shift};
-      for (int i = 0; i < L; ++i) {
-        const float* qi = qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2;
-        float* yi = y + ((static_cast<int64_t>(b) * H + h) * L + i) * D;
-        attend_qrow<Bits>(qi, kr, vr, T - L + i + 1, D, log2_scale, scores.data(), yi);
-      }
-    }
+  attend_rows(qo, y, B, H, L, D, G, T, log2_scale, [&](int b, int g) {
+    return std::pair{
+        QuantRows<Bits>{ko.data + b * ko.s0 + g * ko.s1, ko.s2, qbytes, groups, shift},
+        QuantRows<Bits>{vo.data + b * vo.s0 + g * vo.s1, vo.s2, qbytes, groups, shift}};
+  });
 }
 
 } // namespace
