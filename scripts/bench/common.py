@@ -417,6 +417,47 @@ def interval_rate(tokens: Sequence[tuple[float, list[int]]]) -> float:
     return after_first / span if span > 0 else float("nan")
 
 
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Where two token sequences first differ (the shorter one's length when one is a prefix
+    of the other); None when they are equal."""
+    if list(a) == list(b):
+        return None
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def versus_summary(runs: dict[str, list[dict]], keys: Sequence[str]) -> dict[str, dict]:
+    """Median of each key per side of a runner / mlx-lm benchmark, and on the runner's side
+    the ratio of the medians and the median of the paired (same round) ratios."""
+    summary = {side: {k: median([r[k] for r in rows]) for k in keys} for side, rows in runs.items()}
+    ours, theirs = summary["runner"], summary["mlx-lm"]
+    for key in keys:
+        pairs = zip(runs["runner"], runs["mlx-lm"], strict=True)
+        ours[f"{key}_paired_ratio"] = median([a[key] / b[key] for a, b in pairs])
+        ours[f"{key}_ratio"] = ours[key] / theirs[key]
+    return summary
+
+
+def print_versus_footer(
+    info: dict, ids: dict, prompt_len: int, decoded: int, reps: int, elapsed: float
+) -> int | None:
+    """The closing lines of a runner / mlx-lm benchmark: both sides' set-up and whether their
+    greedy tokens agree; returns the first difference."""
+    same = first_difference(ids["runner"], ids["mlx-lm"])
+    print(
+        f"runner: {info['runner']['tuning']}; BLAS runner {info['runner']['blas']}, mlx-lm "
+        f"{info['mlx-lm']['blas']}; mlx {info['mlx-lm']['mlx']}, mlx-lm "
+        f"{info['mlx-lm']['mlx_lm']}"
+    )
+    print(
+        f"greedy tokens {'identical' if same is None else f'differ from index {same}'} "
+        f"({len(ids['runner'])} vs {len(ids['mlx-lm'])}); {prompt_len}-token prompt, "
+        f"{decoded} decoded, medians of {reps}; {elapsed:.0f} s in all"
+    )
+    return same
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -126,13 +126,6 @@ def run_once(side: str, sides: dict, prompt: list[int], n: int, tag: str) -> dic
     return summarize(side, reply)
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 # ----------------------------------------------------------------------------- main
 def start_sides(model: str, hf_dir: str, bench_python: str) -> dict:
     env = dict(os.environ, PYTHONPATH=bc.ROOT)
@@ -208,7 +201,7 @@ def report(args, model, hf_dir, prompt, warmup, runs, info, elapsed) -> None:
         agreement[side] = {
             "tokens": len(all_ids[0]),
             "stable_across_runs": same_runs,
-            "first_difference_vs_runner": first_difference(reference, all_ids[0]),
+            "first_difference_vs_runner": bc.first_difference(reference, all_ids[0]),
         }
     base = bc.median([r["wall_tps"] for r in runs[MLX_LM]])
     rows, summary = [], {}

@@ -284,15 +284,7 @@ def main() -> int:
 
 
 def report(args, directory, prompt, runs, seams, info, elapsed) -> None:
-    summary = {}
-    for side in SIDES:
-        summary[side] = {
-            k: bc.median([r[k] for r in runs[side]]) for k in ("prefill_tps", "decode_tps")
-        }
-    for key in ("prefill_tps", "decode_tps"):
-        pairs = zip(runs["runner"], runs["mlx-lm"], strict=True)
-        summary["runner"][f"{key}_paired_ratio"] = bc.median([a[key] / b[key] for a, b in pairs])
-        summary["runner"][f"{key}_ratio"] = summary["runner"][key] / summary["mlx-lm"][key]
+    summary = bc.versus_summary(runs, ("prefill_tps", "decode_tps"))
     seam = {k: bc.median([s[k] for s in seams]) for k in seams[0]}
     step = seam["step"]
     rows = [
@@ -336,21 +328,11 @@ def report(args, directory, prompt, runs, seams, info, elapsed) -> None:
         ]
     )
     ids = {side: runs[side][0]["ids"] for side in SIDES}
-    same = next((i for i, (a, b) in enumerate(zip(*ids.values(), strict=False)) if a != b), None)
     print()
     print(bc.markdown_table(["", "runner", "mlx-lm", "ratio", "target"], rows))
     print()
     print(bc.describe_load([r["load"] for side in SIDES for r in runs[side]]))
-    print(
-        f"runner: {info['runner']['tuning']}; BLAS runner {info['runner']['blas']}, mlx-lm "
-        f"{info['mlx-lm']['blas']}; mlx {info['mlx-lm']['mlx']}, mlx-lm "
-        f"{info['mlx-lm']['mlx_lm']}"
-    )
-    print(
-        f"greedy tokens {'identical' if same is None else f'differ from index {same}'} "
-        f"({len(ids['runner'])} vs {len(ids['mlx-lm'])}); {len(prompt)}-token prompt, "
-        f"{args.decode} decoded, medians of {args.reps}; {elapsed:.0f} s in all"
-    )
+    same = bc.print_versus_footer(info, ids, len(prompt), args.decode, args.reps, elapsed)
     path = bc.write_json(
         args.out,
         {

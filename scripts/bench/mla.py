@@ -399,15 +399,7 @@ def main() -> int:
 
 
 def report(args, directory, prompt, runs, caches, profiles, llama, info, elapsed) -> None:
-    summary = {}
-    for side in SIDES:
-        summary[side] = {
-            k: bc.median([r[k] for r in runs[side]]) for k in ("prefill_tps", "decode_tps")
-        }
-    for key in ("prefill_tps", "decode_tps"):
-        pairs = zip(runs["runner"], runs["mlx-lm"], strict=True)
-        summary["runner"][f"{key}_paired_ratio"] = bc.median([a[key] / b[key] for a, b in pairs])
-        summary["runner"][f"{key}_ratio"] = summary["runner"][key] / summary["mlx-lm"][key]
+    summary = bc.versus_summary(runs, ("prefill_tps", "decode_tps"))
     latent, expanded = caches["runner"]["bytes_per_token"], caches["runner"]["expanded"]
     scale = RELEASED_LAYERS / SHAPE["num_hidden_layers"] / 2  # 47 layers, bfloat16
     released = (int(latent * scale), int(expanded * scale))
@@ -435,7 +427,6 @@ def report(args, directory, prompt, runs, caches, profiles, llama, info, elapsed
         ]
     )
     ids = {side: runs[side][0]["ids"] for side in SIDES}
-    same = next((i for i, (a, b) in enumerate(zip(*ids.values(), strict=False)) if a != b), None)
     print()
     print(bc.markdown_table(["", "runner", "mlx-lm", "ratio", "target"], rows))
     profile = {}
@@ -467,19 +458,10 @@ def report(args, directory, prompt, runs, caches, profiles, llama, info, elapsed
         )
     print()
     print(bc.describe_load([r["load"] for side in SIDES for r in runs[side]]))
-    print(
-        f"runner: {info['runner']['tuning']}; BLAS runner {info['runner']['blas']}, mlx-lm "
-        f"{info['mlx-lm']['blas']}; mlx {info['mlx-lm']['mlx']}, mlx-lm "
-        f"{info['mlx-lm']['mlx_lm']}"
-    )
+    same = bc.print_versus_footer(info, ids, len(prompt), args.decode, args.reps, elapsed)
     print(
         f"released model ({RELEASED_LAYERS} layers, bfloat16): latent "
         f"{released[0]:,} bytes / token against {released[1]:,} expanded"
-    )
-    print(
-        f"greedy tokens {'identical' if same is None else f'differ from index {same}'} "
-        f"({len(ids['runner'])} vs {len(ids['mlx-lm'])}); {len(prompt)}-token prompt, "
-        f"{args.decode} decoded, medians of {args.reps}; {elapsed:.0f} s in all"
     )
     path = bc.write_json(
         args.out,

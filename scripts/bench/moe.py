@@ -587,13 +587,6 @@ def summarise(phase: str, data: dict) -> dict:
     return out
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None
-
-
 def print_phase(phase: str, summary: dict, data: dict, reps: int) -> None:
     sides = summary["sides"]
     headers = [
@@ -632,7 +625,7 @@ def print_phase(phase: str, summary: dict, data: dict, reps: int) -> None:
     ids = {s: data["runs"][s][0]["ids"] for s in sides}
     moe_sides = [s for s in sides if SIDES[s][1] == "qwen3_moe"]
     for s in moe_sides[1:]:
-        diff = first_difference(ids[moe_sides[0]], ids[s])
+        diff = bc.first_difference(ids[moe_sides[0]], ids[s])
         same = "identical" if diff is None else f"differ from index {diff}"
         print(f"- greedy tokens, {s} vs {moe_sides[0]}: {same}")
     profile = data["profile"]

@@ -61,6 +61,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from scripts.bench import common as bc  # noqa: E402
 from scripts.bench.spec import PROMPTS  # noqa: E402
 
 Job = dict[str, Any]  # {"messages": [...], "format": a JSON schema or None}
@@ -284,12 +285,6 @@ def source_counts(speculation: Any, source: str) -> dict[str, int]:
     return {k: int(get(k, 0)) for k in COUNTS}
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
-
-
 def summarise(rows: list[dict]) -> dict:
     tokens = sum(r["eval_tokens"] for r in rows)
     out: dict[str, Any] = {
@@ -371,7 +366,7 @@ def llamacpp_table(results: list[dict], plain_ids: dict[str, list[int]], summary
             rows = [r for r in results if r["side"] == side and r["key"].split("#")[0] == family]
             tps.append(statistics.median(r["tps"] or 0.0 for r in rows))
             diffs = [(r["ids"], plain_ids[r["key"]]) for r in rows]
-            agree.append(sum(len(b) if a == b else first_difference(a, b) for a, b in diffs))
+            agree.append(sum(len(b) if a == b else bc.first_difference(a, b) for a, b in diffs))
         ours = summary[family]["greedy"]
         both = f"{ours['both']['tps']:.1f}" if "both" in ours else "-"
         lines.append(
@@ -402,7 +397,7 @@ def measure(
     for arm in arms:
         done, ids = got[arm]
         sp, tps = done.speculation, done.eval_tokens / max(1, done.eval_ns) * 1e9
-        diff = first_difference(ids, plain_ids)
+        diff = bc.first_difference(ids, plain_ids)
         row = dict(family=family, mode=mode, prompt=i, arm=arm, tps=tps, ratio=tps / plain_tps)
         row.update(eval_tokens=done.eval_tokens, eval_ns=done.eval_ns, rounds=sp.rounds)
         row.update(prompt_tokens=done.prompt_tokens, done_reason=done.done_reason)
