@@ -321,9 +321,10 @@ def _glm4moe(config: dict, get: Get, head_dim: int, rotated, path: str) -> None:
     config["routed_scaling_factor"] = float(get("expert_weights_scale", 1.0))
 
 
-def _dense_stack(w) -> mx.array:
-    """A stacked ``[E, out, in]`` expert tensor as float32: dense as stored, or each quantized
-    expert (a ``GGUFQuantized`` per expert, see ``runner.gguf.read_gguf``) dequantized."""
+def dense_stack(w) -> mx.array:
+    """A stacked ``[E, out, in]`` tensor (experts, or per-head matrices) as float32: dense as
+    stored, or each quantized matrix (a ``GGUFQuantized`` each, see ``runner.gguf.read_gguf``)
+    dequantized: the loader has no quantized product for stacked experts on the CPU."""
     if isinstance(w, list):
         return mx.array(np.stack([affine_dense(*q.unpack()) for q in w]))
     return w.astype(mx.float32) if w.dtype != mx.float32 else w
@@ -362,7 +363,7 @@ def map_family_tensors(arch: str, weights: dict, config: dict) -> dict:
         if gemma and part.endswith("norm") and isinstance(w, mx.array):
             w = w.astype(mx.float32) - 1.0  # the file holds 1 + w (module docstring)
         elif part.endswith("_exps"):
-            w = _dense_stack(w)
+            w = dense_stack(w)
         out[key] = w
     if arch == "glm4moe":
         # No keys for these: the tensors say (the model is built after this mapping).

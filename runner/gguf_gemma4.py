@@ -50,7 +50,7 @@ import mlx.core as mx
 import numpy as np
 
 from protocol.errors import CorruptModelFile, UnsupportedTokenizer
-from runner.gguf_families import COMMON_KEYS, refuse_unmapped, whole_number
+from runner.gguf_families import COMMON_KEYS, dense_stack, refuse_unmapped, whole_number
 from runner.gguf_tensors import GGUFQuantized
 from runner.models.config import malformed, refuse
 from runner.quantized import affine_dense
@@ -281,14 +281,6 @@ def _full_rope(factors: mx.array, config: dict) -> dict:
     }
 
 
-def _dense_stack(w) -> mx.array:
-    """A stacked ``[E, out, in]`` expert tensor as float32 (quantized experts arrive as one
-    ``GGUFQuantized`` per expert: ``runner.gguf.read_gguf``)."""
-    if isinstance(w, list):
-        return mx.array(np.stack([affine_dense(*q.unpack()) for q in w]))
-    return w.astype(mx.float32)
-
-
 def map_tensors(weights: dict, config: dict) -> dict:
     """Rename a ``gemma4`` file's tensors to the runner's Hugging Face names, and complete
     ``config`` with what only the tensors say (module docstring). Unknown tensors stay under
@@ -310,12 +302,12 @@ def map_tensors(weights: dict, config: dict) -> dict:
         _, index, part = stem.split(".", 2)
         base = f"model.layers.{index}."
         if part == "ffn_gate_up_exps":
-            gate, up = mx.split(_dense_stack(w), 2, axis=1)  # gate rows first
+            gate, up = mx.split(dense_stack(w), 2, axis=1)  # gate rows first
             out[base + "experts.gate_proj.weight"] = gate
             out[base + "experts.up_proj.weight"] = up
             continue
         if part.endswith("_exps") and suffix == "weight":
-            w = _dense_stack(w)
+            w = dense_stack(w)
         elif part == "ffn_gate_inp" and isinstance(w, GGUFQuantized):
             w = mx.array(affine_dense(*w.unpack()))  # the router stays float32
         out[base + _LAYER[(part, suffix)]] = w

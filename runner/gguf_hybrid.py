@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from runner.gguf_families import ATTENTION_NAMES, hyper_int, refuse_unmapped
+from runner.gguf_families import ATTENTION_NAMES, dense_stack, hyper_int, refuse_unmapped
 from runner.gguf_families import COMMON_KEYS as COMMON_FAMILY_KEYS
 from runner.gguf_tensors import GGUFQuantized
 from runner.models.config import malformed, refuse
@@ -294,14 +294,6 @@ def _columns(w, order: np.ndarray, width: int):
     return mx.array(affine_dense(*w.unpack())[:, order])
 
 
-def _dense_stack(w) -> mx.array:
-    """A stacked ``[E, out, in]`` expert tensor as float32 (quantized experts dequantized:
-    the loader has no quantized product for stacked experts on the CPU)."""
-    if isinstance(w, list):
-        return mx.array(np.stack([affine_dense(*q.unpack()) for q in w]))
-    return w.astype(mx.float32)
-
-
 def _undo_value_order(part: str, w, config: dict):
     """Put a tensor indexed by value head back in grouped order (module docstring)."""
     key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
@@ -339,7 +331,7 @@ def map_hybrid_tensors(arch: str, weights: dict, config: dict) -> dict:
             continue
         layer = f"model.layers.{idx}"
         if part == "ffn_gate_up_exps":  # fused by the converter: gate rows, then up rows
-            stack = _dense_stack(w)
+            stack = dense_stack(w)
             half = stack.shape[1] // 2
             out[f"{layer}.mlp.switch_mlp.gate_proj.weight"] = stack[:, :half]
             out[f"{layer}.mlp.switch_mlp.up_proj.weight"] = stack[:, half:]
@@ -363,7 +355,7 @@ def map_hybrid_tensors(arch: str, weights: dict, config: dict) -> dict:
         elif part == "ffn_gate_inp_shexp":
             w = w.reshape(1, -1)  # [1, D], whether stored 1-D or not
         elif part.endswith("_exps"):
-            w = _dense_stack(w)
+            w = dense_stack(w)
         out[f"{layer}.{mapped}" if part in _BARE else f"{layer}.{mapped}.{suffix}"] = w
     if dropped:
         log.info(

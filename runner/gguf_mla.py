@@ -61,7 +61,7 @@ import numpy as np
 
 from protocol.errors import CorruptModelFile
 from runner.gguf_families import COMMON_KEYS as COMMON_FAMILY_KEYS
-from runner.gguf_families import hyper_int, refuse_unmapped
+from runner.gguf_families import dense_stack, hyper_int, refuse_unmapped
 from runner.gguf_tensors import GGUFQuantized
 from runner.models.config import malformed, refuse
 from runner.quantized import affine_dense
@@ -254,12 +254,6 @@ def kv_b_from_split(k_b, v_b, heads: int) -> mx.array:
     return mx.array(joined.reshape(-1, joined.shape[-1]))
 
 
-def _stack(w) -> mx.array:
-    if isinstance(w, list):
-        return mx.array(_dense(w))
-    return w.astype(mx.float32) if w.dtype != mx.float32 else w
-
-
 def map_mla_tensors(arch: str, weights: dict, config: dict) -> dict:
     """Rename a ``deepseek2`` file's tensors to the runner's Hugging Face names and undo the
     converter's split of ``kv_b_proj`` (module docstring); MTP blocks are dropped, unknown
@@ -285,7 +279,7 @@ def map_mla_tensors(arch: str, weights: dict, config: dict) -> dict:
             out[f"{layer}.mlp.gate.e_score_correction_bias"] = w
             continue
         if part == "ffn_gate_up_exps":  # fused by the converter: gate rows, then up rows
-            stack = _stack(w)
+            stack = dense_stack(w)
             half = stack.shape[1] // 2
             out[f"{layer}.mlp.switch_mlp.gate_proj.weight"] = stack[:, :half]
             out[f"{layer}.mlp.switch_mlp.up_proj.weight"] = stack[:, half:]
@@ -295,7 +289,7 @@ def map_mla_tensors(arch: str, weights: dict, config: dict) -> dict:
             out[name] = w
             continue
         if part.endswith("_exps"):
-            w = _stack(w)
+            w = dense_stack(w)
         elif part in _FLOAT and isinstance(w, GGUFQuantized):
             w = mx.array(_dense(w))
         out[f"{layer}.{mapped}.{suffix}"] = w
