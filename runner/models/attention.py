@@ -341,6 +341,10 @@ def _fused(
 
 
 # ----------------------------------------------------------------------------- masks
+# Causal feeds of up to this many rows attend row by row (``llama.Attention.attend_cached``).
+ROW_BY_ROW = 16
+
+
 def window_mask(
     offset: int, length: int, window: int, key_start: int = 0, dtype: mx.Dtype = mx.float32
 ) -> mx.array | None:
@@ -364,3 +368,49 @@ def causal_mask(offset: int, length: int, dtype: mx.Dtype = mx.float32) -> mx.ar
     rows = mx.arange(offset, offset + length)[:, None]
     visible = mx.arange(offset + length)[None, :] <= rows
     return mx.where(visible, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))
+
+
+class FeedLayout:
+    """The masks and RoPE tables of one feed (``offset``, ``length`` rows), built once and
+    shared by the layers using them: one mask per window, one table per RoPE group. ``attn0``:
+    the first layer's attention (whether it takes the fused kernel, its soft-cap); ``mask``:
+    None, or a per-sequence mask given by the caller."""
+
+    def __init__(self, attn0, offset: int, length: int, dtype: mx.Dtype, mask) -> None:
+        self.offset, self.length, self.dtype, self.mask = offset, length, dtype, mask
+        # Soft-capped scores take the composed kernel, so they need the shared array mask.
+        fast = attn0.fast and attn0.softcap is None
+        self.full = mask
+        self.few = mask is None and 1 < length <= ROW_BY_ROW and not fast
+        if mask is None and length > 1:
+            # The fused kernel takes "causal" (lower-right aligned), and so does the blocked
+            # kernel of long feeds (it masks only the key tiles crossing the diagonal); the
+            # five-op one adds a mask built once for every layer.
+            # A few rows (a verify) attend row by row (Attention.attend_cached): "causal".
+            blocked = serves(length, dtype, "causal")
+            self.full = (
+                "causal" if fast or blocked or self.few else causal_mask(offset, length, dtype)
+            )
+        self.masks: dict[tuple[int, int], object] = {}
+        self.tables: dict[str, tuple] = {}
+
+    def layer_mask_and_rope(self, layer, cache) -> tuple:
+        """The mask and RoPE tables of ``layer`` (its ``window``, ``rope_group`` and
+        ``self_attn.rope``) over ``cache``."""
+        offset, length = self.offset, self.length
+        layer_mask = self.full
+        if layer.window is not None and not (self.few and offset + length <= layer.window):
+            # (A window that has not yet slid is causal: a few rows attend row by row.)
+            if self.mask is not None:
+                raise ValueError("per-sequence masks are not supported with sliding layers")
+            start = cache.window_lo(offset)
+            key = (layer.window, start)
+            if key not in self.masks:
+                self.masks[key] = window_mask(offset, length, layer.window, start, self.dtype)
+            layer_mask = self.masks[key]
+        rope = self.tables.get(layer.rope_group)
+        if rope is None:
+            rope = self.tables[layer.rope_group] = layer.self_attn.rope.tables(
+                offset, length, self.dtype
+            )
+        return layer_mask, rope

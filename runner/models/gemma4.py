@@ -46,15 +46,13 @@ import numpy as np
 from cache.kv import KVCache
 from cache.kv_quantized import QuantizedKVCache
 from runner import native
-from runner.models.attention import causal_mask, window_mask
-from runner.models.attention import serves as serves_blocked
+from runner.models.attention import FeedLayout
 from runner.models.gemma import ACTIVATIONS
 from runner.models.gemma4_config import FAMILIES, SLIDING, LayerSpec, MoESpec, RopeSpec, settings
 from runner.models.gemma4_config import model_args as model_args
 from runner.models.layers import Linear
 from runner.models.llama import (
     MLP,
-    ROW_BY_ROW,
     Attention,
     DecoderLayer,
     Mask,
@@ -437,32 +435,13 @@ class Model(LlamaCausalLM):
         ``(i, x)`` once layer ``i``'s graph is built."""
         x = self.embed(tokens)
         per_layer = self.per_layer_inputs(tokens, x)
-        offset, length = caches[0].offset, tokens.shape[1]
-        attn0 = self.layers[0].self_attn
-        fast = attn0.fast
-        full = mask
-        few = mask is None and 1 < length <= ROW_BY_ROW and not fast
-        if mask is None and length > 1:
-            blocked = serves_blocked(length, x.dtype, "causal")
-            full = "causal" if fast or blocked or few else causal_mask(offset, length, x.dtype)
-        masks: dict[tuple[int, int], Mask] = {}
-        tables: dict[str, RopeTables] = {}
+        feed = FeedLayout(
+            self.layers[0].self_attn, caches[0].offset, tokens.shape[1], x.dtype, mask
+        )
         shared: SharedKV = {}
         for index, layer in enumerate(self.layers):
             cache = caches[self._cache_of[index]]
-            layer_mask = full
-            if layer.window is not None and not (few and offset + length <= layer.window):
-                if mask is not None:
-                    raise ValueError("per-sequence masks are not supported with sliding layers")
-                key = (layer.window, cache.window_lo(offset))
-                if key not in masks:
-                    masks[key] = window_mask(offset, length, layer.window, key[1], x.dtype)
-                layer_mask = masks[key]
-            rope = tables.get(layer.rope_group)
-            if rope is None:
-                rope = tables[layer.rope_group] = layer.self_attn.rope.tables(
-                    offset, length, x.dtype
-                )
+            layer_mask, rope = feed.layer_mask_and_rope(layer, cache)
             own = cache if layer.kv_source is None else None
             row = None if per_layer is None else per_layer[:, :, index]
             x = layer(x, layer_mask, own, rope, row, shared)

@@ -16,7 +16,13 @@ from cache.kv import KVCache, RotatingKVCache
 from cache.kv_quantized import QuantizedKVCache
 from runner import native
 from runner.models.activations import silu_mul
-from runner.models.attention import blocked_attention, causal_mask, packed_attention, window_mask
+from runner.models.attention import (
+    ROW_BY_ROW,
+    FeedLayout,
+    blocked_attention,
+    causal_mask,
+    packed_attention,
+)
 from runner.models.attention import serves as serves_blocked
 from runner.models.config import read_llama_family, text_config
 from runner.models.layers import (
@@ -231,10 +237,6 @@ class Attention(nn.Module):
             scores = scores.reshape(batch, groups, per_group * length, keys)
         weights = mx.softmax(scores, axis=-1, precise=True)
         return (weights @ v).reshape(batch, heads, length, dim)
-
-
-# Causal feeds of up to this many rows attend row by row (Attention.attend_cached).
-ROW_BY_ROW = 16
 
 
 class MLP(nn.Module):
@@ -486,38 +488,11 @@ class Model(nn.Module):
         built (its cache appended), before the final norm. A caller may evaluate and pause
         between layers (prefill interleaved with other requests' decode steps)."""
         x = self.embed(tokens)
-        offset, length = caches[0].offset, tokens.shape[1]
-        attn0 = self.model.layers[0].self_attn
-        # Soft-capped scores take the composed kernel, so they need the shared array mask.
-        fast = attn0.fast and attn0.softcap is None
-        full = mask
-        few = mask is None and 1 < length <= ROW_BY_ROW and not fast
-        if mask is None and length > 1:
-            # The fused kernel takes "causal" (lower-right aligned), and so does the blocked
-            # kernel of long feeds (it masks only the key tiles crossing the diagonal); the
-            # five-op one adds a mask built once for every layer.
-            # A few rows (a verify) attend row by row (Attention.attend_cached): "causal".
-            blocked = serves_blocked(length, x.dtype, "causal")
-            full = "causal" if fast or blocked or few else causal_mask(offset, length, x.dtype)
-        # One mask per window and one RoPE table per group, shared by the layers using them.
-        masks: dict[tuple[int, int], Mask] = {}
-        tables: dict[str, RopeTables] = {}
+        feed = FeedLayout(
+            self.model.layers[0].self_attn, caches[0].offset, tokens.shape[1], x.dtype, mask
+        )
         for index, (layer, cache) in enumerate(zip(self.model.layers, caches, strict=True)):
-            layer_mask = full
-            if layer.window is not None and not (few and offset + length <= layer.window):
-                # (A window that has not yet slid is causal: a few rows attend row by row.)
-                if mask is not None:
-                    raise ValueError("per-sequence masks are not supported with sliding layers")
-                start = cache.window_lo(offset)
-                key = (layer.window, start)
-                if key not in masks:
-                    masks[key] = window_mask(offset, length, layer.window, start, x.dtype)
-                layer_mask = masks[key]
-            rope = tables.get(layer.rope_group)
-            if rope is None:
-                rope = tables[layer.rope_group] = layer.self_attn.rope.tables(
-                    offset, length, x.dtype
-                )
+            layer_mask, rope = feed.layer_mask_and_rope(layer, cache)
             x = layer(x, layer_mask, cache, rope)
             yield index, x
 
