@@ -133,6 +133,12 @@ def _decode_threads(cores: int) -> int:
     return max(1, cores - 1)
 
 
+def decode_threads() -> int:
+    """Threads for a decode step's products (``MTP_RUNNER_DECODE_THREADS``, else all cores
+    but one: the other builds the next step's graph)."""
+    return _decode_threads(_usable_cores())
+
+
 def _load_mkl(path: str, asked: bool) -> str | None:
     """Load oneMKL (``asked``: named by the user, not picked by auto); return its description,
     or None when it cannot be used."""

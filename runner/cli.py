@@ -267,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=argparse.SUPPRESS,
     )
     p.add_argument("--no-compile", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-native-blocks", action="store_true", help=argparse.SUPPRESS)
     # Hidden test seams: a model-free engine (protocol tests, benchmark) and fault injection
     # (runner.faults: head-call=N, token-frame=ID).
     p.add_argument("--noop-model", action="store_true", help=argparse.SUPPRESS)
@@ -323,6 +324,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         weight_layout=args.weight_layout,
         row_layout=args.row_layout,
         compile=not args.no_compile,
+        native_blocks=not args.no_native_blocks,
         faults=Faults.parse(args.inject_fault),
         parallel=args.parallel,
         kv_bits=args.kv_bits,

@@ -17,7 +17,9 @@ a ``Tuning`` record; the engine reports it and nothing else probes a model for i
   with a head). The composed attention and RoPE kernels (``mx.fast`` falls back to many small
   ops on the CPU).
 - GPU: the Hugging Face layout and ``mx.fast``'s fused attention and RoPE.
-- Both: each block's fixed-shape parts ``mx.compile``d for decode and verify rows.
+- Both: each block's fixed-shape parts ``mx.compile``d for decode and verify rows; on the
+  CPU, blocks of the llama shape in panels run those parts as two native nodes instead
+  (``runner.models.native_block``).
 
 ``scripts/bench/forward.py`` measures each choice.
 """
@@ -34,6 +36,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from runner import blas, native
+from runner.models import native_block
 from runner.models.layers import (
     PanelEmbedding,
     add_row_layout,
@@ -58,12 +61,15 @@ class Tuning:
     row_layout: bool  # the [out, in] copy of o and down for verify rows
     compiled: bool
     fast_kernels: bool  # mx.fast attention and RoPE, else the composed kernels
+    native_blocks: int = 0  # blocks whose compiled parts are native nodes instead
 
     def describe(self) -> str:
         parts = [self.device, f"{self.layout} weights"]
         if self.row_layout:
             parts.append("verify-row layout")
         parts.append("compiled blocks" if self.compiled else "eager blocks")
+        if self.native_blocks:
+            parts.append(f"{self.native_blocks} native blocks")
         parts.append("mx.fast kernels" if self.fast_kernels else "composed kernels")
         return ", ".join(parts)
 
@@ -97,6 +103,7 @@ def tune(
     layout: str = "auto",
     row_layout: bool | None = None,
     compile: bool = True,
+    native_blocks: bool = True,
     fast_kernels: bool | None = None,
     expert_layout: str | None = None,
     exact_products: bool | None = None,
@@ -117,6 +124,7 @@ def tune(
     int8 activations (False); None leaves the process's choice as it is. ``quantize`` (4 or 8
     bits) quantizes the float weights first (affine, groups of 64: quantized panels on the CPU,
     MLX's quantized layers on a GPU), the head's too unless ``quantize_head`` is False.
+    ``native_blocks`` False keeps every compiled block in MLX ops (see :func:`compile_blocks`).
     """
     if expert_layout not in (None, "hf"):
         raise ValueError(f"expert_layout must be None or 'hf', not {expert_layout!r}")
@@ -137,15 +145,18 @@ def tune(
         rows = blas.row_layout_pays() if row_layout is None else row_layout
         if rows:
             add_row_layout(model)
+    natives = 0
     if compile:
         for part in parts:
-            compile_blocks(part)
+            compile_blocks(part, native_blocks)
+            natives += sum(isinstance(b, native_block.NativeBlock) for b in blocks_of(part))
     return Tuning(
         device="cpu" if cpu else "gpu",
         layout=layout,
         row_layout=rows,
         compiled=compile,
         fast_kernels=fast,
+        native_blocks=natives,
     )
 
 
@@ -288,17 +299,32 @@ def set_kernels(module: nn.Module, fast: bool) -> None:
             child.rows_native = not fast and native.row_attention_available()
 
 
-def compile_blocks(module: nn.Module) -> int:
+def compile_blocks(module: nn.Module, native_blocks: bool = True) -> int:
     """Compile the fixed-shape parts of every block below ``module``
     (``runner.models.llama.DecoderLayer``); return how many blocks. A compiled part replays
     its graph without Python graph building and MLX fuses its elementwise ops
-    (scripts/bench/forward.py measures the gain)."""
+    (scripts/bench/forward.py measures the gain). On the CPU a block the native build serves
+    (``runner.models.native_block.refusal``) runs its two parts as two native nodes instead,
+    unless ``native_blocks`` is False."""
+    native_blocks = native_blocks and on_cpu()
     count = 0
     for _, child in module.named_modules():
         if isinstance(child, DecoderLayer):
-            child.compiled = CompiledBlock(child)
+            if native_blocks and native_block.refusal(child) is None:
+                child.compiled = native_block.NativeBlock(child)
+            else:
+                child.compiled = CompiledBlock(child)
             count += 1
     return count
+
+
+def blocks_of(module: nn.Module) -> list:
+    """The compiled parts (``CompiledBlock`` or ``NativeBlock``) of the blocks below ``module``."""
+    return [
+        child.compiled
+        for _, child in module.named_modules()
+        if isinstance(child, DecoderLayer) and child.compiled is not None
+    ]
 
 
 def uncompile_blocks(module: nn.Module) -> int:

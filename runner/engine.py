@@ -93,6 +93,9 @@ class EngineOptions:
     row_layout: bool | None = None
     # Compile the fixed-shape parts of each block for decode and verify rows (runner.device).
     compile: bool = True
+    # On the CPU, blocks the native build serves run those parts as two native nodes each
+    # (runner.models.native_block).
+    native_blocks: bool = True
     faults: Faults = field(default_factory=Faults)  # the test seam (runner.faults)
     # Completions decoded at once, rows of one forward (runner.batch); 1: one at a time.
     parallel: int = 1
@@ -153,6 +156,7 @@ class Engine:
             layout=options.weight_layout,
             row_layout=options.row_layout,
             compile=options.compile,
+            native_blocks=options.native_blocks,
             exact_products=options.exact_products,
             quantize=options.quantize,
             quantize_head=options.quantize_head,
@@ -366,6 +370,7 @@ class Engine:
                     options.weight_layout,
                     options.row_layout,
                     options.compile,
+                    options.native_blocks,
                     options.prefill_chunk,
                     self.kv_bits,
                     options.kv_group,

@@ -192,6 +192,7 @@ def stage_load(options: EngineOptions) -> stage.StageLoad:
         keep_quantized=options.keep_quantized,
         layout=options.weight_layout,
         compile=options.compile,
+        native_blocks=options.native_blocks,
         exact_products=options.exact_products,
         quantize=options.quantize,
     )

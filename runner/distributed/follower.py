@@ -23,6 +23,7 @@ from runner.distributed import stage
 from runner.distributed.channel import DTYPES, Channel, Command, Op, RankReport, handshake
 from runner.models import layers
 from runner.models.llama import Model
+from runner.models.native_block import NativeBlock
 
 log = logging.getLogger("mtp_runner.distributed")
 
@@ -144,10 +145,11 @@ def add_row_layout(model: Model) -> None:
     """The verify-row copy of the packed weights (``runner.device.tune`` adds it on rank 0
     with a head, which only rank 0 knows it serves), compiled blocks traced afresh: they keep
     the weights they traced."""
+    native = any(isinstance(b, NativeBlock) for b in device.blocks_of(model))
     compiled = device.uncompile_blocks(model)
     layers.add_row_layout(model)
     if compiled:
-        device.compile_blocks(model)
+        device.compile_blocks(model, native)
 
 
 class Snapshots(dict):

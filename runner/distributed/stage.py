@@ -173,6 +173,7 @@ class StageLoad:
     keep_quantized: bool | None = None
     layout: str = "auto"
     compile: bool = True
+    native_blocks: bool = True
     exact_products: bool = False
     quantize: int | None = None
 
@@ -238,6 +239,7 @@ def tune_stage(model: llama.Model, options: StageLoad) -> device.Tuning:
         None,
         layout=options.layout,
         compile=options.compile,
+        native_blocks=options.native_blocks,
         exact_products=options.exact_products,
         quantize=options.quantize,
     )

@@ -379,3 +379,29 @@ def flash_attention_quantized(
     return _ext.flash_attention_quantized(
         q, k, v, scale, causal, bits, group, threads or LARGE_M_THREADS
     )
+
+
+def block_available() -> bool:
+    """Whether the compiled module has the few-row decoder block (``block.h``)."""
+    return _ext is not None and hasattr(_ext, "block_front")
+
+
+def block_front(*args, **kwargs) -> list[mx.array]:
+    """q, k, v of a decoder block's few rows in one node (``block.h``; arguments as
+    ``_smallrow.block_front``). Raises RuntimeError without the build."""
+    return _block_ext().block_front(*args, **kwargs)
+
+
+def block_back(*args, **kwargs) -> mx.array:
+    """A decoder block's output after its attention in one node (``block.h``; arguments as
+    ``_smallrow.block_back``). Raises RuntimeError without the build."""
+    return _block_ext().block_back(*args, **kwargs)
+
+
+def _block_ext():
+    if not block_available():
+        raise RuntimeError(
+            "runner.native has no decoder block: "
+            + (_reason or "rebuild it with `python -m runner.native.build`")
+        )
+    return _ext

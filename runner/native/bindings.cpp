@@ -2,13 +2,16 @@
 // mlx, so mlx.core's array and stream types pass straight through).
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 #include <nanobind/stl/variant.h>
 
 #include <string>
 
 #include "kernels.h"
 #include "attention.h"
+#include "block.h"
 #include "gathered.h"
 #include "quantized.h"
 #include "rows.h"
@@ -17,6 +20,7 @@
 
 namespace nb = nanobind;
 using namespace nb::literals;
+namespace mx = mlx::core;
 
 NB_MODULE(_smallrow, m) {
   m.doc() = "Few-row float32 products over a column-panel weight layout (MLX CPU primitive).";
@@ -110,6 +114,55 @@ NB_MODULE(_smallrow, m) {
       "stream"_a = nb::none(),
       "row_attention over packed quantized keys and values (cache.kv_quantized: uint32 "
       "[B, G, T, W]), each row dequantized as it is read.");
+  // A block's numbers as keywords (block.h's BlockSpec).
+  auto spec = [](int heads, int kv_heads, int head_dim, int rotary, bool traditional, float eps,
+                 float qk_eps, bool bias, bool qk_norm, bool exact, int threads) {
+    mtp_native::BlockSpec sp;
+    sp.heads = heads;
+    sp.kv_heads = kv_heads;
+    sp.head_dim = head_dim;
+    sp.rotary = rotary;
+    sp.traditional = traditional;
+    sp.eps = eps;
+    sp.qk_eps = qk_eps;
+    sp.bias = bias;
+    sp.qk_norm = qk_norm;
+    sp.exact = exact;
+    sp.threads = threads;
+    return sp;
+  };
+  m.def(
+      "block_front",
+      [spec](const mx::array& x, const mx::array& norm, const mx::array& qkv,
+             std::optional<mx::array> bias, std::optional<mx::array> q_norm,
+             std::optional<mx::array> k_norm, const mx::array& cos, const mx::array& sin,
+             int heads, int kv_heads, int head_dim, int rotary, bool traditional, float eps,
+             float qk_eps, bool exact, int threads, mx::StreamOrDevice s) {
+        const auto sp = spec(heads, kv_heads, head_dim, rotary, traditional, eps, qk_eps,
+                             bias.has_value(), q_norm.has_value(), exact, threads);
+        return mtp_native::block_front(x, norm, qkv, bias, q_norm, k_norm, cos, sin, sp, s);
+      },
+      "x"_a, "norm"_a, "qkv"_a, "bias"_a.none(), "q_norm"_a.none(), "k_norm"_a.none(),
+      "cos"_a, "sin"_a, nb::kw_only(), "heads"_a, "kv_heads"_a, "head_dim"_a, "rotary"_a,
+      "traditional"_a, "eps"_a, "qk_eps"_a, "exact"_a, "threads"_a = 1,
+      "stream"_a = nb::none(),
+      "A decoder block before its cache for a few rows: RMSNorm, the fused q/k/v product over "
+      "panels (+ bias), per-head q/k RMSNorms, the rotation by cos/sin [L, head_dim]; returns "
+      "[q, k, v] as [B, heads, L, head_dim] and [B, kv_heads, L, head_dim].");
+  m.def(
+      "block_back",
+      [spec](const mx::array& x, const mx::array& attended, const mx::array& o,
+             const mx::array& norm, const mx::array& gate_up, const mx::array& down, int heads,
+             int kv_heads, int head_dim, float eps, bool exact, int threads,
+             mx::StreamOrDevice s) {
+        const auto sp = spec(heads, kv_heads, head_dim, 0, false, eps, eps, false, false, exact,
+                             threads);
+        return mtp_native::block_back(x, attended, o, norm, gate_up, down, sp, s);
+      },
+      "x"_a, "attended"_a, "o"_a, "norm"_a, "gate_up"_a, "down"_a, nb::kw_only(), "heads"_a,
+      "kv_heads"_a, "head_dim"_a, "eps"_a, "exact"_a, "threads"_a = 1, "stream"_a = nb::none(),
+      "A decoder block after its attention for a few rows: x + attended @ o, then + the SiLU "
+      "MLP of its RMSNorm (gate/up fused, gate columns first); returns [B, L, dim].");
   m.def("qpanel_isa", &mtp_native::qpanel_isa, "The quantized fast product's integer path.");
   m.def("attention_isa", &mtp_native::attention_isa, "The attention kernel path compiled in.");
   m.def("isa", &mtp_native::isa, "The kernel path compiled in: avx512, avx2 or portable.");

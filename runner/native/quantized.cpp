@@ -24,10 +24,11 @@ bool valid_group(int group) {
   return group == 16 || (group >= 32 && group % 32 == 0);
 }
 
-// The layout's numbers from the panels' shape [NB, groups, header rows + group, 2 bits], the
-// header rows 64 / bits (float32 scales and biases) or 32 / bits (float16): one of the two
-// leaves a valid group size.
-qpanels::Shape layout(const mx::array& panels, int n) {
+} // namespace
+
+// The header rows are 64 / bits (float32 scales and biases) or 32 / bits (float16): one of
+// the two leaves a valid group size.
+qpanels::Shape qpanel_layout(const mx::array& panels, int n) {
   if (panels.dtype() != mx::uint8 || panels.ndim() != 4)
     fail("panels must be uint8 [NB, K / group, header rows + group, 2 bits] (to_qpanels)");
   const int bits = panels.shape(3) / 2;
@@ -53,8 +54,6 @@ qpanels::Shape layout(const mx::array& panels, int n) {
   return sh;
 }
 
-} // namespace
-
 const char* qpanel_isa() {
   return qpanels::fast_isa();
 }
@@ -68,7 +67,7 @@ mx::array qpanel_matmul(
     mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32) fail("x must be float32");
   if (x.ndim() < 1) fail("x must have at least one dimension");
-  const auto sh = layout(panels, n);
+  const auto sh = qpanel_layout(panels, n);
   if (x.shape(-1) != sh.K) {
     std::ostringstream msg;
     msg << "x has " << x.shape(-1) << " columns but the panels have K = " << sh.K;
@@ -90,7 +89,7 @@ void QPanelMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
   const auto& x = inputs[0];
   const auto& p = inputs[1];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  const auto sh = layout(p, n_);
+  const auto sh = qpanel_layout(p, n_);
   const int64_t n = n_;
   const int64_t M = static_cast<int64_t>(out.size()) / n;
 

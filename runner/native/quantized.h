@@ -6,6 +6,7 @@
 #include "mlx/ops.h"
 #include "mlx/utils.h"
 #include "primitive.h"
+#include "qkernels.h"
 
 namespace mtp_native {
 
@@ -43,6 +44,10 @@ class QPanelMatmul : public InferencePrimitive {
   bool exact_;
   int threads_;
 };
+
+// The layout numbers of quantized panels [NB, K / group, header rows + group, 2 bits] for
+// n output columns; throws std::invalid_argument naming what does not fit.
+qpanels::Shape qpanel_layout(const mx::array& panels, int n);
 
 // The fast product's integer path compiled in: "avx512-vnni", "avx512bw" or "portable".
 const char* qpanel_isa();

@@ -1,4 +1,5 @@
-"""The bare model's speed per configuration (BLAS, weight layout, compiled or eager blocks).
+"""The bare model's speed per configuration (BLAS, weight layout, native, compiled or eager
+blocks, decode threads).
 
 For each configuration, in its own process (the BLAS is fixed at import): a prefill of
 ``--prefill`` tokens, ``--decode`` pipelined greedy decode steps, and the synchronous cost of a
@@ -29,6 +30,14 @@ CONFIGS = {
     # then with --exact-products, then dequantized to float32 (--dequantize) in each layout.
     "quantized panels (default)": {
         "env": {"MTP_RUNNER_BLAS": "mkl"},
+        "args": ["--layout", "panels", "--keep-quantized"],
+    },
+    "quantized panels, MLX blocks (no native blocks)": {
+        "env": {"MTP_RUNNER_BLAS": "mkl"},
+        "args": ["--layout", "panels", "--keep-quantized", "--no-native-blocks"],
+    },
+    "quantized panels, 2 decode threads": {
+        "env": {"MTP_RUNNER_BLAS": "mkl", "MTP_RUNNER_DECODE_THREADS": "2"},
         "args": ["--layout", "panels", "--keep-quantized"],
     },
     "quantized panels, exact products": {
@@ -88,7 +97,11 @@ def worker(args: argparse.Namespace) -> None:
     model = loaded.model
     nbytes = 0 if loaded.quantized else weight_bytes(model)
     tuning = device.tune(
-        model, layout=args.layout, compile=not args.eager, exact_products=args.exact
+        model,
+        layout=args.layout,
+        compile=not args.eager,
+        native_blocks=not args.no_native_blocks,
+        exact_products=args.exact,
     )
     if loaded.quantized:  # the bytes a step reads: the quantized weights as held
         nbytes = device.weight_bytes(model)
@@ -166,6 +179,7 @@ def main() -> int:
     parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--keep-quantized", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--exact", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-native-blocks", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model is None:
         from runner.default_model import ensure_default_model

@@ -32,8 +32,8 @@ def conformance_model(request) -> str | None:
             pytest.fail(f"MTP_RUNNER_CONFORMANCE_MODEL={MODEL}: no such checkpoint")
         return os.path.abspath(MODEL)
     # Longer context than the default tiny model so a greedy completion runs for seconds (it
-    # decodes hundreds of tokens a second: a long completion must outlast a test's setup).
-    return request.getfixturevalue("checkpoint_factory")("llama", max_position_embeddings=16384)
+    # decodes thousands of tokens a second: a long completion must outlast a test's setup).
+    return request.getfixturevalue("checkpoint_factory")("llama", max_position_embeddings=65536)
 
 
 @pytest.fixture(scope="session")
