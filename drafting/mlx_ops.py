@@ -35,6 +35,15 @@ from drafting.seam import HeadError, HostError, Replay, TargetError, Verificatio
 from drafting.session import DraftSession, Proposal
 
 
+def dispatch_layer(index: int, x: mx.array) -> None:
+    """``on_layer`` hook of a decode or verify forward: start evaluating each layer as soon as
+    its graph is built. MLX lets only a bounded number of tasks be in flight, so one
+    ``async_eval`` at the end of a forward waits while most of it computes, and the graph of
+    the next layers is built after the previous ones ran; dispatching layer by layer overlaps
+    building with computing (the values are the same: only when they are computed changes)."""
+    mx.async_eval(x)
+
+
 class MlxRoundOps:
     """``RoundOps`` over a target model, its caches, a draft session and the request's
     sampler. Attention caches roll back by offset and recurrent ones to the states each verify
@@ -66,6 +75,11 @@ class MlxRoundOps:
         # whatever the head would draw: the target's masked draw can be nothing else, so it
         # is always accepted. False drafts it from the head's masked logits like any other.
         self.forced_drafts = forced_drafts
+        # Models whose caches rewind to any offset of a feed start each verify layer as it is
+        # built (``runner.prefill.takes_layer_hook``): a failed feed rewinds as before.
+        self._layer_hook = (
+            {"on_layer": dispatch_layer} if getattr(model, "takes_layer_hook", False) else {}
+        )
         self._x_at: int | None = None  # position of the current x once it is in the history
         self._verified: tuple[int, list[int]] | None = None  # (entry position, drafts)
 
@@ -219,7 +233,7 @@ class MlxRoundOps:
                 ids = mx.concatenate([ids, proposal.tokens.astype(mx.int32)])
             for c in self._recurrent:  # the state after every prefix of the feed
                 c.keep(range(entry + 1, entry + ids.shape[0] + 1))
-            hidden = self.model.hidden(ids[None], self.caches)[0]
+            hidden = self.model.hidden(ids[None], self.caches, **self._layer_hook)[0]
             logits = self.model.unembed(hidden)
             drafts = mx.zeros((0,), dtype=mx.int32)
             if proposal is not None:
@@ -233,7 +247,7 @@ class MlxRoundOps:
             target = self.sampler.tokens(logits, drafts, slot=entry + 1)
             decision_accept, successors = matched_decision(target, drafts)
             rows = self._logprob_rows(logits, successors)
-        except Exception as exc:  # building the graph failed: nothing was evaluated yet
+        except Exception as exc:  # building the graph failed: the caches rewind to entry
             self.rewind_quietly(entry)
             raise TargetError(f"verify forward failed: {exc}") from exc
         try:

@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--float-head",
         action="store_true",
-        help="with --quantize, keep the MTP head's weights in float",
+        help="keep the MTP head's weights in float (with --quantize, or beside a quantized "
+        "checkpoint, whose float head is otherwise quantized to 8 bits)",
     )
     p.add_argument(
         "--kv-bits",

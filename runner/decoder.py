@@ -24,20 +24,12 @@ import mlx.core as mx
 
 from cache.ledger import Ledger, Outcome, Verdict
 from drafting.logprobs import LogprobRows
+from drafting.mlx_ops import dispatch_layer
 from drafting.rounds import RoundError
 from runner.constraint import masked
 from runner.prefill import CommitHook, takes_layer_hook
 
 log = logging.getLogger("mtp_runner.decoder")
-
-
-def dispatch_layer(index: int, x: mx.array) -> None:
-    """``on_layer`` hook of a decode forward: start evaluating each layer as soon as its graph
-    is built. MLX lets only a bounded number of tasks be in flight, so one ``async_eval`` at
-    the end of a forward waits while most of it computes, and the graph of the next layers is
-    built after the previous ones ran; dispatching layer by layer overlaps building with
-    computing (the values are the same: only when they are computed changes)."""
-    mx.async_eval(x)
 
 
 @dataclass

@@ -50,6 +50,7 @@ from runner.models.llama import MLP, Attention, CompiledBlock, DecoderLayer, Mod
 from runner.models.moe import lay_out_experts
 
 LAYOUTS = ("auto", "hf", "packed", "panels")
+HEAD_BITS = 8  # a float head beside a quantized target (see tune)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,9 @@ def tune(
     (the loader's, on the CPU) multiply bit-for-bit as their dequantized weight (True) or with
     int8 activations (False); None leaves the process's choice as it is. ``quantize`` (4 or 8
     bits) quantizes the float weights first (affine, groups of 64: quantized panels on the CPU,
-    MLX's quantized layers on a GPU), the head's too unless ``quantize_head`` is False.
+    MLX's quantized layers on a GPU), the head's too unless ``quantize_head`` is False;
+    without ``quantize``, a float head beside a target held in quantized panels is quantized
+    to ``HEAD_BITS`` (again unless ``quantize_head`` is False).
     ``native_blocks`` False keeps every compiled block in MLX ops (see :func:`compile_blocks`).
     """
     if expert_layout not in (None, "hf"):
@@ -139,6 +142,10 @@ def tune(
     if quantize is not None:
         for part in parts if quantize_head else [model]:
             quantize_weights(part, quantize, cpu)
+    elif head is not None and quantize_head and cpu and holds_quantized_panels(model):
+        # A float head beside a quantized target: its read is a quarter of a step's bytes in
+        # float32 and every round pays it; 8 bits keep its acceptance (scripts/bench/spec.py).
+        quantize_weights(head, HEAD_BITS, cpu)
     _lay_out_weights(model, head, layout, expert_layout)
     rows = False
     if head is not None and layout == "packed":
@@ -215,6 +222,18 @@ def quantize_weights(module: nn.Module, bits: int, cpu: bool) -> int:
         raise ValueError(f"quantizing at load needs runner.native on the CPU: {native.reason()}")
     nn.quantize(module, group_size=64, bits=bits)
     return sum(1 for _, m in module.named_modules() if isinstance(m, nn.QuantizedLinear))
+
+
+def holds_quantized_panels(model: nn.Module) -> bool:
+    """Whether ``model`` holds any weight in quantized panels (a quantized checkpoint kept
+    quantized on the CPU)."""
+    for _, child in model.named_modules():
+        if isinstance(child, PanelEmbedding):
+            return True
+        wt = child.get("_wt") if isinstance(child, nn.Module) else None
+        if wt is not None and wt.ndim == 4 and wt.dtype == mx.uint8:
+            return True
+    return False
 
 
 def _pack_model(model: nn.Module) -> None:

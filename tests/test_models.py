@@ -461,3 +461,21 @@ def test_quantize_at_load_keeps_every_product_in_quantized_panels(checkpoint_fac
     got = np.array(model.forward(tokens, model.make_caches())[0])
     assert np.sqrt(((got - want) ** 2).mean() / (want**2).mean()) < 0.03
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.75
+
+
+@pytest.mark.parametrize("quantize_head", [True, False])
+def test_float_head_beside_a_quantized_target_is_quantized(checkpoint_factory, quantize_head):
+    """A quantized checkpoint kept quantized on the CPU: its float head's products go to 8-bit
+    panels too (every round reads them), unless the head is asked to stay float."""
+    from runner.models.layers import Linear
+    from tests.test_head import random_head
+
+    loaded = load_model(checkpoint_factory("llama", quantize_bits=4))
+    head = random_head(loaded)
+    assert device.holds_quantized_panels(loaded.model)
+    assert not device.holds_quantized_panels(load_model(checkpoint_factory("llama")).model)
+    device.tune(loaded.model, head, quantize_head=quantize_head)
+    linears = [m for _, m in head.named_modules() if isinstance(m, Linear) and "_wt" in m]
+    assert linears
+    held = {m._wt.dtype for m in linears}
+    assert held == ({mx.uint8} if quantize_head else {mx.float32})

@@ -544,7 +544,7 @@ class Model(nn.Module):
                 for i, row in enumerate(caches)
             ]
             x = after(x, parts[0] if rows == 1 else mx.concatenate(parts, axis=2))
-            # Start each layer as soon as it is built (runner.decoder.dispatch_layer says why).
+            # Start each layer as soon as it is built (drafting.mlx_ops.dispatch_layer says why).
             mx.async_eval(x)
             if index in wanted:
                 streams.append(x)
