@@ -47,7 +47,7 @@ from runner.models.layers import (
     to_panels,
 )
 from runner.models.llama import MLP, Attention, CompiledBlock, DecoderLayer, Model
-from runner.models.moe import lay_out_experts
+from runner.models.moe import lay_out_experts, quantize_experts
 
 LAYOUTS = ("auto", "hf", "packed", "panels")
 HEAD_BITS = 8  # a float head beside a quantized target (see tune)
@@ -217,7 +217,7 @@ def quantize_weights(module: nn.Module, bits: int, cpu: bool) -> int:
     if bits not in (4, 8):
         raise ValueError(f"quantize takes 4 or 8 bits, not {bits}")
     if cpu and native.qpanels_available():
-        return quantize_in_panels(module, bits)
+        return quantize_experts(module, bits) + quantize_in_panels(module, bits)
     if cpu:
         raise ValueError(f"quantizing at load needs runner.native on the CPU: {native.reason()}")
     nn.quantize(module, group_size=64, bits=bits)

@@ -258,13 +258,16 @@ def _load_weights(
     quantized = bool(specs) or any(not isinstance(v, mx.array) for v in weights.values())
     kept = False
     if quantized and keep_quantized and mx.default_device() == mx.cpu:
-        # Stacked experts ([E, out, in]) have no quantized product on the CPU yet: float32.
+        # Stacked experts ([E, out, in]) go to quantized expert panels where the gathered
+        # product takes them; any others are dequantized to float32.
         stacked = {b: spec for b, spec in specs.items() if weights[b + ".weight"].ndim != 2}
+        experts = {b for b, spec in stacked.items() if keep_experts(model, weights, b, spec)}
+        stacked = {b: spec for b, spec in stacked.items() if b not in experts}
         if stacked:
             dequantize(weights, specs=stacked, path=path, sources=sources)
         report("quantized panels", 0, 1)
-        flat = {b: spec for b, spec in specs.items() if b not in stacked}
-        kept = keep_in_panels(model, weights, flat, path=path)
+        flat = {b: spec for b, spec in specs.items() if b not in stacked and b not in experts}
+        kept = keep_in_panels(model, weights, flat, path=path) or bool(experts)
     elif quantized and keep_quantized:
         quantize_model(model, weights, specs)
         kept = bool(specs)
@@ -276,6 +279,38 @@ def _load_weights(
     extras = check_and_load(model, weights, path=path, sources=sources, dtype=dtype)
     refuse_unused_parameters(model, extras, sources, path)
     return kept, extras
+
+
+def keep_experts(model: nn.Module, weights: dict, base: str, spec: tuple[int, int]) -> bool:
+    """Move the stacked quantized experts ``base`` (mlx-lm's triple, ``[E, out, in]``) out of
+    ``weights`` into their ``SwitchLinear`` as quantized expert panels, one expert unpacked at
+    a time; False (left in ``weights``) where the gathered product does not take them."""
+    from runner.models.moe import SwitchLinear
+    from runner.native.quantized import kernel_bits, to_qpanels
+
+    group, bits = spec
+    module = dict(model.named_modules()).get(base)
+    packed = weights[base + ".weight"]
+    outputs = packed.shape[1]
+    if not (
+        type(module) is SwitchLinear
+        and native.gathered_quantized_available()
+        and outputs % native.PANEL == 0
+        and (group == 16 or group % 32 == 0)
+    ):
+        return False
+    packed = weights.pop(base + ".weight")
+    scales, biases = weights.pop(base + ".scales"), weights.pop(base + ".biases")
+    experts = []
+    for e in range(packed.shape[0]):
+        tensor = MlxAffine(packed[e], scales[e], biases[e], group, bits)
+        experts.append(to_qpanels(*tensor.unpack(), kernel_bits(bits)))
+        mx.eval(experts[-1])
+    module._panels = mx.stack(experts)
+    mx.eval(module._panels)
+    module.output_dims = outputs
+    del module["weight"]
+    return True
 
 
 def keep_in_panels(

@@ -50,6 +50,27 @@ def affine_dense(values: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> 
     return w.reshape(n, k)
 
 
+def affine_quantize(
+    w: np.ndarray, group: int, bits: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Affine quantization of a float ``[N, K]`` weight in groups of ``group`` inputs (any
+    divisor of K, 16 included, where MLX's ``mx.quantize`` takes 32, 64 or 128 only): per
+    group the bias is its minimum and the scale its range over ``2 ** bits - 1``, both rounded
+    to float16, and each value the nearest level of that float16 grid. Returns ``values``
+    uint8 ``[N, K]`` and float32 ``scales``, ``biases`` ``[N, K / group]``, exactly
+    representable as quantized panels."""
+    n, k = w.shape
+    g = w.astype(np.float32).reshape(n, k // group, group)
+    lo, hi = g.min(-1), g.max(-1)
+    levels = (1 << bits) - 1
+    scales = ((hi - lo) / levels).astype(np.float16).astype(np.float32)
+    biases = lo.astype(np.float16).astype(np.float32)
+    safe = np.where(scales > 0, scales, 1.0)[..., None]
+    q = np.rint((g - biases[..., None]) / safe)
+    values = np.clip(q, 0, levels).astype(np.uint8).reshape(n, k)
+    return values, scales, biases
+
+
 def unpack_bits(packed: np.ndarray, k: int, bits: int) -> np.ndarray:
     """The ``uint8 [N, k]`` values of MLX's packing (``uint32 [N, k * bits / 32]``): each row
     one little-endian bit stream, value ``j`` at bits ``[j bits, (j + 1) bits)``."""

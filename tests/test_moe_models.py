@@ -31,8 +31,10 @@ from runner.device import fuse_projections, to_panel_layout
 from runner.engine import Engine, EngineOptions
 from runner.heads import load_draft_head
 from runner.loader import load_model
-from runner.models import build_model, moe
+from runner.models import build_model, layers, moe
 from runner.models.layers import pack_for_cpu
+from runner.quantized import MlxAffine, affine_dense
+from tests.checkpoints import random_weights
 from tests.test_reference_models import ATOL, check_model, reference
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference" / "moe"
@@ -301,8 +303,8 @@ def test_quantized_experts_stay_quantized_and_agree_with_their_dequantization(bi
 
 
 def test_quantized_checkpoint_keeps_gather_qmm_experts(tmp_path):
-    """mlx-lm's quantized switch_mlp triples: kept quantized, within quantization tolerance of
-    the float model and equal to their own dequantization."""
+    """mlx-lm's quantized switch_mlp triples: kept quantized (quantized expert panels on the
+    CPU), within quantization tolerance of the float model and of their own dequantization."""
     source = FIXTURES / "qwen3_moe_mlx"
     target = tmp_path / "q"
     shutil.copytree(source, target)
@@ -317,8 +319,11 @@ def test_quantized_checkpoint_keeps_gather_qmm_experts(tmp_path):
     (target / "config.json").write_text(json.dumps(config))
     kept = load_model(str(target), dtype="float32", keep_quantized=True)
     switch = kept.model.layers[0].mlp.switch_mlp
-    if mx.default_device() == mx.cpu:
-        # No quantized product for stacked experts on the CPU yet: they run dequantized.
+    if mx.default_device() == mx.cpu and native.gathered_quantized_available():
+        # Quantized expert panels: the gathered product over the stored values.
+        assert kept.quantized and switch.up_proj._panels.dtype == mx.uint8
+        assert "weight" not in switch.up_proj
+    elif mx.default_device() == mx.cpu:
         assert not kept.quantized and isinstance(switch.up_proj, moe.SwitchLinear)
     else:
         assert kept.quantized and isinstance(switch.up_proj, moe.QuantizedSwitchLinear)
@@ -326,7 +331,8 @@ def test_quantized_checkpoint_keeps_gather_qmm_experts(tmp_path):
     flat = load_model(str(target), dtype="float32", keep_quantized=False)
     for prompt in ref("qwen3_moe").prompts:
         a, b = last_logits(kept.model, prompt), last_logits(flat.model, prompt)
-        assert np.abs(a - b).max() <= 1e-4
+        # int8 activations (the default quantized product) against float32 products
+        assert np.abs(a - b).max() <= 2e-4 * np.abs(b).max()
         exact = last_logits(load("qwen3_moe").model, prompt)
         assert np.abs(a - exact).max() < 0.02 * np.abs(exact).max()  # 8-bit, groups of 32
 
@@ -649,3 +655,61 @@ def test_experts_beyond_num_experts_are_refused(tmp_path):
     mx.save_safetensors(str(target / "model.safetensors"), weights)
     with pytest.raises(CorruptModelFile, match="beyond num_experts"):
         load_model(str(target))
+
+
+needs_gathered_quantized = pytest.mark.skipif(
+    not native.gathered_quantized_available(), reason="runner.native without quantized experts"
+)
+
+
+@pytest.fixture
+def exact_choice():
+    before = layers.exact_products()
+    yield layers.set_exact_products
+    layers.set_exact_products(before)
+
+
+@needs_gathered_quantized
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("exact", [False, True], ids=["int8", "exact"])
+def test_quantize_at_load_holds_the_experts_quantized(bits, exact, exact_choice):
+    """``--quantize`` on the CPU: the routed experts go to quantized expert panels (no float
+    copy left), each projection reads back as its quantized values, the block stays close to
+    the float one, the exact product is bit for bit the float product of those values, and
+    every verify row gets its one-row bits."""
+    config = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
+    config["moe_intermediate_size"] = 64  # whole panels and groups of 64 for every projection
+    weights = random_weights(config, seed=5)
+    for name in [n for n in weights if ".switch_mlp." in n]:  # initialised as zeros
+        weights[name] = 0.1 * mx.random.normal(weights[name].shape, key=mx.random.key(len(name)))
+    weights = list(weights.items())
+    float_model, model = build_model(config), build_model(config)
+    float_model.load_weights(weights)
+    model.load_weights(weights)
+    exact_choice(exact)
+    device.tune(model, compile=False, quantize=bits, exact_products=exact)
+    switch = model.layers[0].mlp.switch_mlp
+    assert switch._gate_up_p.dtype == switch.down_proj._panels.dtype == mx.uint8
+    assert all("weight" not in getattr(switch, name) for name in moe.PROJECTIONS)
+    x = mx.random.normal((5, 64), key=mx.random.key(2))
+    block = model.layers[0].mlp
+    experts, _ = moe.route(block.gate, x, block.settings)
+    want = float_model.layers[0].mlp.switch_mlp(x, experts)
+    got = switch(x, experts)
+    rel = float(mx.sqrt(mx.mean((got - want) ** 2) / mx.mean(want**2)))
+    assert rel < (0.01 if bits == 8 else 0.15), rel
+    for name in moe.PROJECTIONS:
+        w = getattr(float_model.layers[0].mlp.switch_mlp, name).weight
+        want = []
+        for e in range(w.shape[0]):
+            packed, scales, biases = mx.quantize(w[e], group_size=64, bits=bits)
+            half = scales.astype(mx.float16), biases.astype(mx.float16)
+            want.append(affine_dense(*MlxAffine(packed, *half, 64, bits).unpack()))
+        assert np.array_equal(np.array(getattr(switch, name).dense()), np.stack(want)), name
+    if exact:  # the float panels of the dequantized experts compute the same bits
+        dense = moe.SwitchGLU(64, 64, config["num_experts"])
+        for name in moe.PROJECTIONS:
+            getattr(dense, name).weight = getattr(switch, name).dense()
+        dense.lay_out("panels")
+        assert mx.array_equal(dense(x, experts), got)
+    rows_alone_and_together(switch, x, experts)

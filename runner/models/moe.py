@@ -57,9 +57,11 @@ import mlx.nn as nn
 import runner.models.config as cfgs
 from protocol.errors import UnsupportedArchitecture
 from runner import native
+from runner.models.layers import exact_products
 from runner.models.llama import MLP, DecoderLayer, Linear, LlamaModel, ModelArgs
 from runner.models.llama import Model as LlamaCausalLM
 from runner.models.moe_weights import stack_experts
+from runner.native import quantized as qpanels
 
 SCORINGS = ("softmax", "sigmoid")
 SHARED = (None, "plain", "gated")
@@ -304,12 +306,18 @@ class SwitchLinear(nn.Module):
         if "_wt" in self:
             return self._wt.swapaxes(-1, -2)
         p = self._panels  # [E, NB, in, P] -> [E, NB * P, in], cut to out
+        if p.dtype == mx.uint8:  # quantized: [E, NB, groups, rows, 2 bits]
+            return mx.stack([qpanels.dense(p[e], self.output_dims).T for e in range(p.shape[0])])
         e, nb, k, width = p.shape
         return p.transpose(0, 1, 3, 2).reshape(e, nb * width, k)[:, : self.output_dims]
 
     def panel_product(self, x: mx.array, experts: mx.array) -> mx.array:
-        """``[T, k, out]`` over ``_panels`` (``runner.native.gather_panel_matmul``)."""
-        return native.gather_panel_matmul(x, self._panels, experts, self.output_dims)
+        """``[T, k, out]`` for ``x`` ``[T, 1 or k, in]``: over ``_panels`` (float or quantized:
+        :func:`gathered`), or ``gather_mm`` over the weight as it is held."""
+        if "_panels" not in self:
+            y = mx.gather_mm(x[:, :, None, :], self.operand(), rhs_indices=experts)
+            return y.squeeze(-2)
+        return gathered(x, self._panels, experts, self.output_dims)
 
     def to_quantized(
         self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_: Any
@@ -373,12 +381,17 @@ class SwitchGLU(nn.Module):
     def _panels(self, x: mx.array, experts: mx.array) -> mx.array:
         rows = x[:, None, :]  # [T, 1, D]: every expert of row t reads row t
         if "_gate_up_p" in self:
-            fused = native.gather_panel_matmul(rows, self._gate_up_p, experts, 2 * self.hidden)
+            fused = gathered(rows, self._gate_up_p, experts, 2 * self.hidden)
             gate, up = mx.split(fused, 2, axis=-1)
         else:
             gate = self.gate_proj.panel_product(rows, experts)
             up = self.up_proj.panel_product(rows, experts)
         return self.down_proj.panel_product(nn.silu(gate) * up, experts)
+
+    def in_panels(self) -> bool:
+        """Whether any projection is in (float or quantized) expert panels: a checkpoint's
+        quantized experts are, from load on, beside float ones the layout has not moved."""
+        return any("_panels" in p for p in (self.gate_proj, self.up_proj, self.down_proj))
 
     @property
     def hidden(self) -> int:
@@ -386,7 +399,7 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """``[T, k, D]``: row t through each of its experts ``experts[t]``."""
-        if "_panels" in self.down_proj:
+        if self.in_panels():
             return self._panels(x, experts)
         rows, k = experts.shape
         if experts.size < SORT_MIN_PAIRS:
@@ -395,6 +408,32 @@ class SwitchGLU(nn.Module):
         order = mx.argsort(flat)
         y = self._glu(x[order // k][:, None, :], flat[order], True)
         return y[mx.argsort(order)].reshape(rows, k, -1)
+
+    def quantize_in_panels(self, bits: int, group: int = 64) -> bool:
+        """Quantize the float experts into quantized expert panels (``bits`` 4 or 8, affine
+        groups of ``group`` inputs, or of 32 or 16 where ``group`` does not divide a
+        projection's inputs: ``--quantize`` on the CPU), gate and up fused when ``I`` is whole
+        panels; False when they cannot (already laid out, outputs not whole panels)."""
+        parts = (self.gate_proj, self.up_proj, self.down_proj)
+        if not all(type(p) is SwitchLinear and "weight" in p for p in parts):
+            return False
+        if any(p.weight.shape[1] % native.PANEL for p in parts):
+            return False
+        groups = [_group_for(p.weight.shape[2], group) for p in parts]
+        if None in groups:
+            return False
+        gate, up, down = (p.weight for p in parts)
+        half = gate.shape[1] // native.PANEL
+        fused = mx.concatenate([gate, up], axis=1)
+        self._gate_up_p = native.expert_qpanels(fused, bits, groups[0])
+        self.gate_proj._panels = self._gate_up_p[:, :half]
+        self.up_proj._panels = self._gate_up_p[:, half:]
+        self.gate_proj.fused = self.up_proj.fused = True  # views: held once
+        self.down_proj._panels = native.expert_qpanels(down, bits, groups[2])
+        for p in parts:
+            p.output_dims = p.weight.shape[1]
+            del p["weight"]
+        return True
 
     def lay_out(self, layout: str) -> bool:
         """Store the experts in ``layout`` (see the class docstring; "hf" leaves them as
@@ -435,6 +474,35 @@ class SwitchGLU(nn.Module):
             del p["weight"]
         mx.eval(fresh)  # one block at a time: the loaded copy goes as the new one is made
         return True
+
+
+def _group_for(inputs: int, group: int) -> int | None:
+    """``group`` if it divides ``inputs``, else the largest of 32 and 16 that does (quantized
+    panels take groups of 16 or multiples of 32); None when none does."""
+    for g in (group, 32, 16):
+        if g <= group and inputs % g == 0:
+            return g
+    return None
+
+
+def gathered(x: mx.array, panels: mx.array, experts: mx.array, n: int) -> mx.array:
+    """The gathered product over expert panels, float32 or quantized (the process's exact or
+    int8-activation choice, ``runner.models.layers.exact_products``)."""
+    if panels.dtype == mx.uint8:
+        return native.gather_qpanel_matmul(x, panels, experts, n, exact=exact_products())
+    return native.gather_panel_matmul(x, panels, experts, n)
+
+
+def quantize_experts(module: nn.Module, bits: int) -> int:
+    """Every routed-expert block below ``module`` in quantized expert panels (see
+    ``SwitchGLU.quantize_in_panels``); returns how many blocks. Needs the native build."""
+    if not native.gathered_quantized_available():
+        return 0
+    return sum(
+        child.quantize_in_panels(bits)
+        for _, child in module.named_modules()
+        if isinstance(child, SwitchGLU)
+    )
 
 
 def lay_out_experts(module: nn.Module, layout: str) -> int:

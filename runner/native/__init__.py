@@ -233,6 +233,54 @@ def gather_panel_matmul(
     return _ext.gather_panel_matmul(x, panels, indices, n, threads)
 
 
+def gathered_quantized_available() -> bool:
+    """Whether the compiled module multiplies quantized experts (``gather_qpanel_matmul``)."""
+    return _ext is not None and hasattr(_ext, "gather_qpanel_matmul")
+
+
+def expert_qpanels(w: mx.array, bits: int, group: int = 64) -> mx.array:
+    """Experts stacked ``[E, N, K]`` quantized (affine, ``bits`` 4 or 8, float16 scales and
+    biases per ``group`` inputs: MLX's ``mx.quantize`` where it takes the group, else
+    ``runner.quantized.affine_quantize``), each in quantized panels
+    (:func:`runner.native.quantized.to_qpanels`), stacked ``[E, NB, K / group, rows, 2 bits]``;
+    one expert unpacked at a time."""
+    import numpy as np
+
+    from runner.quantized import MlxAffine, affine_quantize
+
+    out = []
+    for e in range(w.shape[0]):
+        if group in (32, 64, 128):
+            packed, scales, biases = mx.quantize(w[e], group_size=group, bits=bits)
+            half = scales.astype(mx.float16), biases.astype(mx.float16)
+            parts = MlxAffine(packed, *half, group, bits).unpack()
+        else:
+            parts = affine_quantize(np.array(w[e].astype(mx.float32)), group, bits)
+        out.append(quantized.to_qpanels(*parts, quantized.kernel_bits(bits)))
+        mx.eval(out[-1])
+    return mx.stack(out)
+
+
+def gather_qpanel_matmul(
+    x: mx.array,
+    panels: mx.array,
+    indices: mx.array,
+    n: int,
+    *,
+    exact: bool,
+    threads: int | None = None,
+) -> mx.array:
+    """:func:`gather_panel_matmul` over quantized experts (:func:`expert_qpanels`); ``exact``
+    as :func:`qpanel_matmul`. Without the compiled product: each expert dequantized through MLX
+    (the exact values, slowly)."""
+    if not gathered_quantized_available() or x.dtype != mx.float32:
+        dense = mx.stack([quantized.dense(panels[e], n) for e in range(panels.shape[0])])
+        return mlx_gather_panel_matmul(x, expert_panels(dense.swapaxes(1, 2)), indices, n)
+    if threads is None:
+        threads = 1 if x.shape[0] <= SMALL_ROWS else LARGE_M_THREADS
+    return _ext.gather_qpanel_matmul(x, panels, indices, n, exact, threads)
+
+
 def mlx_gather_panel_matmul(x: mx.array, panels: mx.array, indices: mx.array, n: int) -> mx.array:
     """:func:`gather_panel_matmul` with MLX ops only: rebuild the experts' ``[E, K, N]`` from
     the panels (one transpose copy of every expert) and run ``mx.gather_mm``. Correct, slow:

@@ -50,6 +50,19 @@ NB_MODULE(_smallrow, m) {
       "[E, NB, K, PANEL]; each selected expert's panels are read once for all its rows; threads "
       "splits the experts over that many threads.");
   m.def(
+      "gather_qpanel_matmul",
+      &mtp_native::gather_qpanel_matmul,
+      "x"_a,
+      "panels"_a,
+      "indices"_a,
+      "n"_a,
+      "exact"_a,
+      "threads"_a = 1,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "gather_panel_matmul over quantized experts: panels uint8 [E, NB, K / group, rows, "
+      "2 bits], each expert's block to_qpanels of its weight; exact as qpanel_matmul.");
+  m.def(
       "flash_attention",
       &mtp_native::flash_attention,
       "q"_a,

@@ -31,10 +31,27 @@ mx::array gather_panel_matmul(
     int threads = 1,
     mx::StreamOrDevice s = {});
 
+// The same over quantized experts: panels uint8 [E, NB, K / group, header rows + group,
+// 2 bits] (expert e's block is runner.native.quantized.to_qpanels of its [n, K] weight),
+// contiguous; each selected expert's rows are one qpanel_matmul (exact, or int8 activations
+// per row: quantized.h), so a pair's result is its one-row product's whatever the feed.
+mx::array gather_qpanel_matmul(
+    const mx::array& x,
+    const mx::array& panels,
+    const mx::array& indices,
+    int n,
+    bool exact,
+    int threads = 1,
+    mx::StreamOrDevice s = {});
+
 class GatherPanelMatmul : public InferencePrimitive {
  public:
-  GatherPanelMatmul(mx::Stream stream, int n, int threads)
-      : InferencePrimitive(stream), n_(n), threads_(threads) {}
+  GatherPanelMatmul(mx::Stream stream, int n, int threads, bool quantized = false, bool exact = false)
+      : InferencePrimitive(stream),
+        n_(n),
+        threads_(threads),
+        quantized_(quantized),
+        exact_(exact) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
 
@@ -47,6 +64,8 @@ class GatherPanelMatmul : public InferencePrimitive {
  private:
   int n_;
   int threads_;
+  bool quantized_;
+  bool exact_;
 };
 
 } // namespace mtp_native

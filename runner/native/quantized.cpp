@@ -31,19 +31,22 @@ bool valid_group(int group) {
 qpanels::Shape qpanel_layout(const mx::array& panels, int n) {
   if (panels.dtype() != mx::uint8 || panels.ndim() != 4)
     fail("panels must be uint8 [NB, K / group, header rows + group, 2 bits] (to_qpanels)");
-  const int bits = panels.shape(3) / 2;
+  return qpanel_layout(panels.shape(0), panels.shape(1), panels.shape(2), panels.shape(3), n);
+}
+
+qpanels::Shape qpanel_layout(int64_t NB, int groups, int rows, int two_bits, int n) {
+  const int bits = two_bits / 2;
   if (bits != 4 && bits != 8) fail("panels hold 4- or 8-bit values, not " + std::to_string(bits));
-  const int rows = panels.shape(2);
   const bool half = !valid_group(rows - 64 / bits);
   const int group = rows - (half ? 32 : 64) / bits;
   if (!valid_group(group))
     fail("group size must be 16 or a multiple of 32 (panel rows " + std::to_string(rows) + ")");
   qpanels::Shape sh;
-  sh.K = static_cast<int>(panels.shape(1)) * group;
+  sh.K = groups * group;
   sh.group = group;
   sh.bits = bits;
   sh.half = half;
-  sh.NB = panels.shape(0);
+  sh.NB = NB;
   sh.n = n;
   if (n <= 0 || n > sh.NB * qpanels::kPanel || n <= (sh.NB - 1) * qpanels::kPanel) {
     std::ostringstream msg;

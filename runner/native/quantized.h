@@ -48,6 +48,8 @@ class QPanelMatmul : public InferencePrimitive {
 // The layout numbers of quantized panels [NB, K / group, header rows + group, 2 bits] for
 // n output columns; throws std::invalid_argument naming what does not fit.
 qpanels::Shape qpanel_layout(const mx::array& panels, int n);
+// The same from the panels' dims (uint8 assumed): NB, K / group, rows, 2 bits.
+qpanels::Shape qpanel_layout(int64_t NB, int groups, int rows, int two_bits, int n);
 
 // The fast product's integer path compiled in: "avx512-vnni", "avx512bw" or "portable".
 const char* qpanel_isa();
