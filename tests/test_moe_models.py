@@ -329,6 +329,11 @@ def test_quantized_checkpoint_keeps_gather_qmm_experts(tmp_path):
         assert kept.quantized and isinstance(switch.up_proj, moe.QuantizedSwitchLinear)
     assert isinstance(switch.down_proj, moe.SwitchLinear)
     flat = load_model(str(target), dtype="float32", keep_quantized=False)
+    if mx.default_device() == mx.cpu and native.gathered_quantized_available():
+        # Tuned, the float down projection joins the quantized ones in expert panels.
+        device.tune(kept.model, compile=False)
+        assert switch.down_proj._panels.dtype == mx.float32 and "weight" not in switch.down_proj
+        assert switch.up_proj._panels.dtype == mx.uint8
     for prompt in ref("qwen3_moe").prompts:
         a, b = last_logits(kept.model, prompt), last_logits(flat.model, prompt)
         # int8 activations (the default quantized product) against float32 products

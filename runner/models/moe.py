@@ -439,6 +439,16 @@ class SwitchGLU(nn.Module):
         """Store the experts in ``layout`` (see the class docstring; "hf" leaves them as
         loaded); False when they stay as they are (quantized, already laid out, "hf")."""
         parts = (self.gate_proj, self.up_proj, self.down_proj)
+        if layout == "panels" and self.in_panels():
+            # A checkpoint's quantized experts beside float ones: the float ones join them in
+            # (float) expert panels, so the block runs one gathered product per projection.
+            moved = [p for p in parts if "weight" in p]
+            for p in moved:
+                p._panels = native.expert_panels(p.weight)
+                p.output_dims = p.weight.shape[1]
+                del p["weight"]
+                mx.eval(p._panels)
+            return bool(moved)
         if layout == "hf" or not all(type(p) is SwitchLinear and "weight" in p for p in parts):
             return False
         gate, up, down = (p.weight for p in parts)
