@@ -77,58 +77,56 @@ def refusal(layer: nn.Module) -> str | None:
 
 class NativeBlock:
     """``before_cache`` and ``after_attention`` of one ``DecoderLayer`` as native nodes (a
-    plain object, outside the parameter tree, in the place of a ``CompiledBlock``). It reads
-    the layer's weights on every call, so it never holds a stale copy."""
+    plain object, outside the parameter tree, in the place of a ``CompiledBlock``). Like a
+    compiled block it holds the weights the layer had when it was made (a decode forward
+    builds its graph with two calls a layer and no lookups), so it is made after the last
+    weight change (``runner.device.compile_blocks`` runs last; ``uncompile_blocks`` first)."""
 
-    __slots__ = ("layer", "threads")
+    __slots__ = ("_front", "_front_numbers", "_back", "_back_numbers")
 
     serves = staticmethod(CompiledBlock.serves)
 
     def __init__(self, layer: DecoderLayer, threads: int | None = None) -> None:
-        self.layer = layer
+        attn, mlp = layer.self_attn, layer.mlp
         # The products' threads: a decode step's (runner.blas.decode_threads).
-        self.threads = blas.decode_threads() if threads is None else threads
-
-    def before_cache(self, x: mx.array, *rope: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        layer = self.layer
-        attn = layer.self_attn
-        cos, sin = rope[0], rope[1]  # composed tables (refusal: never mx.fast's offset)
+        threads = blas.decode_threads() if threads is None else threads
         qk_norm = "q_norm" in attn
-        q, k, v = native.block_front(
-            x,
+        self._front = (
             layer.input_layernorm.weight,
             attn["_qkv_t"],
             attn.get("_qkv_t_bias"),
             attn.q_norm.weight if qk_norm else None,
             attn.k_norm.weight if qk_norm else None,
-            cos,
-            sin,
-            heads=attn.n_heads,
-            kv_heads=attn.n_kv_heads,
-            head_dim=attn.head_dim,
-            rotary=attn.rope.dims,
-            traditional=attn.rope.traditional,
-            eps=layer.input_layernorm.eps,
-            qk_eps=attn.q_norm.eps if qk_norm else 0.0,
-            exact=exact_products(),
-            threads=self.threads,
         )
-        return q, k, v
-
-    def after_attention(self, x: mx.array, attended: mx.array) -> mx.array:
-        layer = self.layer
-        attn, mlp = layer.self_attn, layer.mlp
-        return native.block_back(
-            x,
-            attended,
+        shape = {"heads": attn.n_heads, "kv_heads": attn.n_kv_heads, "head_dim": attn.head_dim}
+        self._front_numbers = {
+            **shape,
+            "rotary": attn.rope.dims,
+            "traditional": attn.rope.traditional,
+            "eps": layer.input_layernorm.eps,
+            "qk_eps": attn.q_norm.eps if qk_norm else 0.0,
+            "threads": threads,
+        }
+        self._back = (
             attn.o_proj["_wt"],
             layer.post_attention_layernorm.weight,
             mlp["_gate_up_t"],
             mlp.down_proj["_wt"],
-            heads=attn.n_heads,
-            kv_heads=attn.n_kv_heads,
-            head_dim=attn.head_dim,
-            eps=layer.post_attention_layernorm.eps,
-            exact=exact_products(),
-            threads=self.threads,
+        )
+        self._back_numbers = {
+            **shape,
+            "eps": layer.post_attention_layernorm.eps,
+            "threads": threads,
+        }
+
+    def before_cache(self, x: mx.array, *rope: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        # Composed tables (cos, sin, rotation): refusal() turns mx.fast's offsets away.
+        q, k, v = native.block_front(
+            x, *self._front, rope[0], rope[1], **self._front_numbers, exact=exact_products()
+        )
+        return q, k, v
+
+    def after_attention(self, x: mx.array, attended: mx.array) -> mx.array:
+        return native.block_back(
+            x, attended, *self._back, **self._back_numbers, exact=exact_products()
         )
