@@ -249,6 +249,10 @@ class MlxRoundOps:
             rows = self._logprob_rows(logits, successors)
         except Exception as exc:  # building the graph failed: the caches rewind to entry
             self.rewind_quietly(entry)
+            # Layers start as they are built, so the lazy drafts may have run (and failed)
+            # here already: the head's failure, not the target's.
+            if proposal is not None and self._proposal_fails(proposal):
+                raise HeadError(f"draft evaluation failed: {exc}") from exc
             raise TargetError(f"verify forward failed: {exc}") from exc
         try:
             mx.eval(

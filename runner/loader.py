@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from drafting.weights import (
@@ -286,7 +287,7 @@ def keep_experts(model: nn.Module, weights: dict, base: str, spec: tuple[int, in
     ``weights`` into their ``SwitchLinear`` as quantized expert panels, one expert unpacked at
     a time; False (left in ``weights``) where the gathered product does not take them."""
     from runner.models.moe import SwitchLinear
-    from runner.native.quantized import kernel_bits, to_qpanels
+    from runner.native.quantized import halves_exactly, kernel_bits, to_qpanels
 
     group, bits = spec
     module = dict(model.named_modules()).get(base)
@@ -301,10 +302,12 @@ def keep_experts(model: nn.Module, weights: dict, base: str, spec: tuple[int, in
         return False
     packed = weights.pop(base + ".weight")
     scales, biases = weights.pop(base + ".scales"), weights.pop(base + ".biases")
+    # One header format for every expert (they are stacked): float16 only if all fit.
+    half = halves_exactly(np.array(scales.astype(mx.float32)), np.array(biases.astype(mx.float32)))
     experts = []
     for e in range(packed.shape[0]):
         tensor = MlxAffine(packed[e], scales[e], biases[e], group, bits)
-        experts.append(to_qpanels(*tensor.unpack(), kernel_bits(bits)))
+        experts.append(to_qpanels(*tensor.unpack(), kernel_bits(bits), half=half))
         mx.eval(experts[-1])
     module._panels = mx.stack(experts)
     mx.eval(module._panels)

@@ -718,3 +718,44 @@ def test_quantize_at_load_holds_the_experts_quantized(bits, exact, exact_choice)
         dense.lay_out("panels")
         assert mx.array_equal(dense(x, experts), got)
     rows_alone_and_together(switch, x, experts)
+
+
+@needs_gathered_quantized
+def test_gemma4_experts_run_quantized_expert_panels():
+    """Gemma 4's experts (GELU, their own panel path) read quantized expert panels too."""
+    from mlx.utils import tree_flatten
+
+    from runner.models.gemma4 import Gemma4Experts
+
+    source = Gemma4Experts(64, 32, 4, nn.gelu)
+    for i, name in enumerate(moe.PROJECTIONS):
+        proj = getattr(source, name)
+        proj.weight = 0.1 * mx.random.normal(proj.weight.shape, key=mx.random.key(i))
+    quantized = Gemma4Experts(64, 32, 4, nn.gelu)
+    quantized.load_weights(list(tree_flatten(source.parameters())))
+    assert quantized.quantize_in_panels(8)
+    x = mx.random.normal((3, 64), key=mx.random.key(7))
+    experts = mx.array([[0, 1], [2, 3], [1, 1]], dtype=mx.int32)
+    want, got = source(x, experts), quantized(x, experts)
+    assert float(mx.sqrt(mx.mean((got - want) ** 2) / mx.mean(want**2))) < 0.01
+
+
+@needs_gathered_quantized
+def test_kept_experts_share_one_header_format():
+    """Stacked experts whose scales fit float16 in one expert and not in another are stacked
+    with one header format (float32), each expert's values exact."""
+    from runner.loader import keep_experts
+
+    block = moe.SwitchGLU(64, 32, 2)
+    w = 0.1 * mx.random.normal((2, 32, 64), key=mx.random.key(1))
+    parts = [mx.quantize(w[e], group_size=32, bits=4) for e in range(2)]
+    packed = mx.stack([p[0] for p in parts])
+    # Expert 0's scales and biases are float16 numbers, expert 1's (random) are not.
+    scales = mx.stack([mx.full(parts[0][1].shape, 0.5), parts[1][1]])
+    biases = mx.stack([mx.full(parts[0][2].shape, -0.25), parts[1][2]])
+    weights = {"gate_proj.weight": packed, "gate_proj.scales": scales, "gate_proj.biases": biases}
+    assert keep_experts(block, weights, "gate_proj", (32, 4))
+    assert not weights and block.gate_proj._panels.dtype == mx.uint8
+    for e in range(2):
+        want = affine_dense(*MlxAffine(packed[e], scales[e], biases[e], 32, 4).unpack())
+        assert np.array_equal(np.array(block.gate_proj.dense()[e]), want)

@@ -45,7 +45,6 @@ import numpy as np
 
 from cache.kv import KVCache
 from cache.kv_quantized import QuantizedKVCache
-from runner import native
 from runner.models.attention import FeedLayout
 from runner.models.gemma import ACTIVATIONS
 from runner.models.gemma4_config import FAMILIES, SLIDING, LayerSpec, MoESpec, RopeSpec, settings
@@ -60,7 +59,7 @@ from runner.models.llama import (
     fused_product,
 )
 from runner.models.llama import Model as LlamaCausalLM
-from runner.models.moe import SwitchGLU
+from runner.models.moe import SwitchGLU, gathered
 from runner.models.rope import RoPE, RopeTables
 
 __all__ = ["FAMILIES", "Model", "head_layer", "model_args"]
@@ -209,7 +208,7 @@ class Gemma4Experts(SwitchGLU):
     def _panels(self, x: mx.array, experts: mx.array) -> mx.array:
         rows = x[:, None, :]
         if "_gate_up_p" in self:
-            fused = native.gather_panel_matmul(rows, self._gate_up_p, experts, 2 * self.hidden)
+            fused = gathered(rows, self._gate_up_p, experts, 2 * self.hidden)
             gate, up = mx.split(fused, 2, axis=-1)
         else:
             gate = self.gate_proj.panel_product(rows, experts)

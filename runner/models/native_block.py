@@ -66,6 +66,11 @@ def refusal(layer: nn.Module) -> str | None:
         return "the block does not run in float32"
     if attn.rope.fast or attn.fast or attn.softcap is not None:
         return "the attention runs mx.fast kernels or a soft-cap"
+    if attn.head_dim > 512 or attn.rope.dims % 2 or attn.rope.dims > attn.head_dim:
+        return "the head size or rotary width is outside what the block takes"
+    bias = attn.get("_qkv_t_bias")
+    if bias is not None and bias.dtype != mx.float32:
+        return "the q/k/v bias is not float32"
     if not (_panels(attn.get("_qkv_t")) and _panels(mlp.get("_gate_up_t"))):
         return "q/k/v or gate/up are not fused into panels"
     if not (_panels(attn.o_proj.get("_wt")) and _panels(mlp.down_proj.get("_wt"))):
