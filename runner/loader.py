@@ -287,7 +287,7 @@ def keep_experts(model: nn.Module, weights: dict, base: str, spec: tuple[int, in
     ``weights`` into their ``SwitchLinear`` as quantized expert panels, one expert unpacked at
     a time; False (left in ``weights``) where the gathered product does not take them."""
     from runner.models.moe import SwitchLinear
-    from runner.native.quantized import halves_exactly, kernel_bits, to_qpanels
+    from runner.native.quantized import halves_exactly, tensor_panels
 
     group, bits = spec
     module = dict(model.named_modules()).get(base)
@@ -307,7 +307,7 @@ def keep_experts(model: nn.Module, weights: dict, base: str, spec: tuple[int, in
     experts = []
     for e in range(packed.shape[0]):
         tensor = MlxAffine(packed[e], scales[e], biases[e], group, bits)
-        experts.append(to_qpanels(*tensor.unpack(), kernel_bits(bits), half=half))
+        experts.append(tensor_panels(tensor, half=half))
         mx.eval(experts[-1])
     module._panels = mx.stack(experts)
     mx.eval(module._panels)

@@ -182,12 +182,8 @@ def hold_quantized(root: nn.Module, name: str, tensor: QuantizedTensor) -> None:
     """Make ``tensor`` the weight of ``root``'s module ``name`` (see :func:`takes_panels`) in
     quantized panels: a ``Linear``'s ``_wt``; an embedding becomes a :class:`PanelEmbedding`
     in its parent. Only the one tensor's unpacked copy lives meanwhile."""
-    from runner.native.quantized import kernel_bits, to_qpanels
-
-    values, scales, biases = tensor.unpack()
-    panels = to_qpanels(values, scales, biases, kernel_bits(tensor.bits))
+    panels = native.quantized.tensor_panels(tensor)
     mx.eval(panels)
-    del values, scales, biases
     modules = dict(root.named_modules())
     module = modules[name]
     if isinstance(module, Linear):
@@ -203,19 +199,14 @@ def quantize_in_panels(module: nn.Module, bits: int, group: int = 64) -> int:
     panels (MLX's affine quantization, ``bits`` 4 or 8, ``group`` inputs per scale: mlx-lm's
     recipe), in place, one weight at a time; returns how many. Layers whose shape the panels
     do not take (outputs not whole panels, inputs not whole groups) stay float."""
-    from runner.quantized import MlxAffine
-
     count = 0
     for name, child in list(module.named_modules()):
         if "weight" not in child or not takes_panels(child, child.weight.shape[0], group):
             continue
         if child.weight.shape[1] % group:
             continue
-        packed, scales, biases = mx.quantize(child.weight, group_size=group, bits=bits)
-        # float16 scales and biases (as mlx-lm's half-precision checkpoints hold them): the
-        # panels' headers take half the bytes.
-        scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
-        hold_quantized(module, name, MlxAffine(packed, scales, biases, group, bits))
+        tensor = native.quantized.mlx_affine_half(child.weight, group, bits)
+        hold_quantized(module, name, tensor)
         count += 1
     return count
 

@@ -246,17 +246,15 @@ def expert_qpanels(w: mx.array, bits: int, group: int = 64) -> mx.array:
     one expert unpacked at a time."""
     import numpy as np
 
-    from runner.quantized import MlxAffine, affine_quantize
+    from runner.quantized import affine_quantize
 
     out = []
     for e in range(w.shape[0]):
         if group in (32, 64, 128):
-            packed, scales, biases = mx.quantize(w[e], group_size=group, bits=bits)
-            half = scales.astype(mx.float16), biases.astype(mx.float16)
-            parts = MlxAffine(packed, *half, group, bits).unpack()
+            out.append(quantized.tensor_panels(quantized.mlx_affine_half(w[e], group, bits)))
         else:
             parts = affine_quantize(np.array(w[e].astype(mx.float32)), group, bits)
-        out.append(quantized.to_qpanels(*parts, quantized.kernel_bits(bits)))
+            out.append(quantized.to_qpanels(*parts, quantized.kernel_bits(bits)))
         mx.eval(out[-1])
     return mx.stack(out)
 

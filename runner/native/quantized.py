@@ -113,6 +113,22 @@ def header_rows(bits: int, half: bool) -> int:
     return (32 if half else 64) // bits
 
 
+def tensor_panels(tensor, *, half: bool | None = None) -> mx.array:
+    """The quantized panels of a ``runner.quantized.QuantizedTensor`` (its unpacked values,
+    scales and biases at its kernel width; ``half`` as :func:`to_qpanels`)."""
+    return to_qpanels(*tensor.unpack(), kernel_bits(tensor.bits), half=half)
+
+
+def mlx_affine_half(w: mx.array, group: int, bits: int):
+    """MLX's affine quantization of a float ``[N, K]`` weight (``mx.quantize``: groups of 32,
+    64 or 128) with float16 scales and biases, as mlx-lm's half-precision checkpoints hold
+    them (the panels' headers take half the bytes): a ``runner.quantized.MlxAffine``."""
+    from runner.quantized import MlxAffine
+
+    packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    return MlxAffine(packed, scales.astype(mx.float16), biases.astype(mx.float16), group, bits)
+
+
 def layout(panels: mx.array) -> tuple[int, int, int, bool]:
     """``(K, group, bits, half)`` of quantized panels, read from their shape (``half``:
     float16 scales and biases; one header size leaves a valid group, the other does not)."""
