@@ -86,9 +86,11 @@ async def test_signal_cancels_everything_then_exits_zero(spawn, signum):
     running, queued = unique_id("running"), unique_id("queued")
     await runner.send(completion(running, num_predict=100000))
     await runner.reply(running)
-    await runner.send(completion(queued))
+    # A long budget for the second too: with shared forwards it may already be decoding when
+    # the signal lands, and a short answer could finish first.
+    await runner.send(completion(queued, num_predict=100000))
     await runner.send({"type": "status", "id": "fence"})
-    await runner.reply("fence")  # both are in: one running, one queued
+    await runner.reply("fence")  # both are in: one running, one queued or decoding beside it
     runner.signal(signum)
     _, done_queued = await runner.completion(queued, timeout=10)
     _, done_running = await runner.completion(running, timeout=10)
