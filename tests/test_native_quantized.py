@@ -229,16 +229,42 @@ def test_fast_accuracy_and_contract(bits: int, group: int):
 def test_batch_invariance_bitwise(bits: int, group: int, exact: bool):
     n, k = 16 * 9 + 5, 256
     panels = quantized.to_qpanels(*_affine(n, k, group, bits, seed=8), bits)
-    x = _rows(17, k, seed=9)
+    x = _rows(31, k, seed=9)
     single = np.concatenate(
-        [_np(native.qpanel_matmul(x[i : i + 1], panels, n, exact=exact)) for i in range(17)]
+        [_np(native.qpanel_matmul(x[i : i + 1], panels, n, exact=exact)) for i in range(31)]
     )
-    for m in range(1, 18):
+    for m in [*range(1, 18), 31]:
         got = _np(native.qpanel_matmul(x[:m], panels, n, exact=exact))
         assert np.array_equal(got, single[:m]), f"M={m}: rows differ from one-row products"
-    order = mx.array(list(range(16, -1, -1)))
+    order = mx.array(list(range(30, -1, -1)))
     got = _np(native.qpanel_matmul(x[order], panels, n, exact=exact))
     assert np.array_equal(got, single[::-1])
+
+
+@needs_qpanels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prefill_sized_fast_product(bits: int):
+    """From 32 rows on (qkernels.h kExactRows), AVX2 builds compute the fast product as the exact
+    one (the faster of the two there); every build keeps each row independent of the others
+    at those sizes too, and the threads do not change a bit."""
+    n, k, m = 16 * 7 + 9, 256, 40
+    affine = _affine(n, k, 32, bits, seed=21)
+    panels = quantized.to_qpanels(*affine, bits)
+    x = _rows(m, k, seed=22)
+    got = _np(native.qpanel_matmul(x, panels, n, threads=1))
+    assert np.array_equal(_np(native.qpanel_matmul(x, panels, n, threads=2)), got)
+    assert np.array_equal(_np(native.qpanel_matmul(x[:33], panels, n)), got[:33])
+    exact = _np(native.qpanel_matmul(x, panels, n, exact=True))
+    if native.qpanel_isa() == "avx2":
+        assert np.array_equal(got, exact)
+        # below the handover: the int8 product, rows alone
+        few = _np(native.qpanel_matmul(x[:8], panels, n))
+        assert not np.array_equal(few, exact[:8])
+        assert np.array_equal(few[3], _np(native.qpanel_matmul(x[3:4], panels, n))[0])
+    else:
+        assert not np.array_equal(got, exact)
+        err = np.abs(got - _emulate_fast(_np(x), affine, 32))
+        assert (err <= 1e-6 * _scale(_np(x), affine_dense(*affine))).all()
 
 
 @needs_qpanels

@@ -93,8 +93,12 @@ class NativeBlock:
 
     def __init__(self, layer: DecoderLayer, threads: int | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        # The products' threads: a decode step's (runner.blas.decode_threads).
-        threads = blas.decode_threads() if threads is None else threads
+        # The products' threads: a decode step's (runner.blas.decode_threads), all cores for
+        # quantized weights where their product is compute-bound.
+        if threads is None:
+            threads = blas.decode_threads()
+            if attn["_qkv_t"].dtype == mx.uint8:
+                threads = native.quantized_decode_threads(threads)
         qk_norm = "q_norm" in attn
         self._front = (
             layer.input_layernorm.weight,

@@ -326,14 +326,25 @@ def qpanels_available() -> bool:
 
 
 def qpanels_fast() -> bool:
-    """Whether the quantized product runs on vector kernels (AVX-512); the portable build
-    computes the same bits one column at a time, slower than float32 panels, so quantized
-    checkpoints are dequantized by default there."""
-    return qpanels_available() and (qpanel_isa() or "").startswith("avx512")
+    """Whether the quantized product runs on vector kernels (AVX-512 or AVX2); the portable
+    build computes the same bits one column at a time, slower than float32 panels, so
+    quantized checkpoints are dequantized by default there."""
+    return qpanels_available() and (qpanel_isa() or "portable") != "portable"
+
+
+def quantized_decode_threads(default: int) -> int:
+    """Threads for a decode step's quantized products: ``default`` (the caller's choice for
+    memory-bound products, which leaves a core to build the next graph), or every core where
+    the fast product is bound by its arithmetic instead: AVX2 has no 4-byte integer dot
+    product, so a second core's share of the work outweighs the graph building it delays.
+    ``MTP_RUNNER_DECODE_THREADS`` set by the user keeps its say."""
+    if qpanel_isa() == "avx2" and os.environ.get("MTP_RUNNER_DECODE_THREADS") is None:
+        return LARGE_M_THREADS
+    return default
 
 
 def qpanel_isa() -> str | None:
-    """The fast quantized product's integer path (``avx512-vnni``, ``avx512bw`` or
+    """The fast quantized product's integer path (``avx512-vnni``, ``avx512bw``, ``avx2`` or
     ``portable``), None without the product."""
     return _ext.qpanel_isa() if qpanels_available() else None
 
@@ -344,15 +355,18 @@ def qpanel_matmul(
     """``x @ W`` ([..., K] -> [..., n]) for W given as quantized panels
     (:func:`runner.native.quantized.to_qpanels`). ``exact``: bit-for-bit the float32 panel
     product of the dequantized weight; otherwise each row of ``x`` quantized to int8 per
-    block of 32 inputs (``qkernels.h``). Either way row ``i``'s result does not depend on the
-    other rows. ``threads`` defaults as for :func:`panel_matmul`. Shapes that do not match are
-    a ``ValueError`` (the primitive checks them). Without the compiled product: the dequantized
-    weight through MLX (the exact values, slowly)."""
+    block of 32 inputs (``qkernels.h``; from 32 rows on, AVX2 builds compute the exact product
+    instead, the faster one there). Either way row ``i``'s result does not depend on the other
+    rows of a call of up to 31 rows (decode, verify rows, shared forwards). ``threads``
+    defaults as for :func:`panel_matmul` (all cores for decode sizes too where
+    :func:`quantized_decode_threads` says so). Shapes that do not match are a ``ValueError``
+    (the primitive checks them). Without the compiled product: the dequantized weight through
+    MLX (the exact values, slowly)."""
     if not qpanels_available() or x.dtype != mx.float32:
         return x @ quantized.dense(panels, n).astype(x.dtype)
     if threads is None:
         few = _rows(x) <= SMALL_ROWS and panels.nbytes < SPLIT_BYTES
-        threads = 1 if few else LARGE_M_THREADS
+        threads = quantized_decode_threads(1) if few else LARGE_M_THREADS
     return _ext.qpanel_matmul(x, panels, n, exact, threads)
 
 

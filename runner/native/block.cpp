@@ -84,7 +84,7 @@ void product(
           x, w.K, M, w.f, static_cast<int>(w.K), w.n, y, w.n, w.NB * t / parts,
           w.NB * (t + 1) / parts);
     });
-  } else if (exact) {
+  } else if (exact || qpanels::fast_as_exact(M)) {
     run_parts(parts, [&](int64_t t) {
       qpanels::matmul_exact(x, w.K, M, w.q, w.qs, y, w.n, w.NB * t / parts, w.NB * (t + 1) / parts);
     });

@@ -210,7 +210,7 @@ void GatherPanelMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array
     auto product = [&](int64_t e, const float* xr, int64_t m, float* yr, qpanels::QuantRows& qr) {
       if (q_ptr == nullptr) {
         smallrow::panel_matmul(xr, K, m, ps + e * expert_stride, K, n, yr, n, 0, NB);
-      } else if (exact) {
+      } else if (exact || qpanels::fast_as_exact(m)) {
         qpanels::matmul_exact(xr, K, m, q_ptr + e * expert_stride, qs, yr, n, 0, NB);
       } else {
         qpanels::quantize_rows(xr, K, m, qs, qr);

@@ -131,7 +131,7 @@ void QPanelMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
       lx = sh.K;
     }
     const int64_t parts = std::min<int64_t>(threads, sh.NB);
-    if (exact) {
+    if (exact || qpanels::fast_as_exact(M)) {
       run_parts(std::max<int64_t>(parts, 1), [&](int64_t t) {
         qpanels::matmul_exact(
             xs, lx, M, p_ptr, sh, y, n, sh.NB * t / parts, sh.NB * (t + 1) / parts);

@@ -51,7 +51,8 @@ qpanels::Shape qpanel_layout(const mx::array& panels, int n);
 // The same from the panels' dims (uint8 assumed): NB, K / group, rows, 2 bits.
 qpanels::Shape qpanel_layout(int64_t NB, int groups, int rows, int two_bits, int n);
 
-// The fast product's integer path compiled in: "avx512-vnni", "avx512bw" or "portable".
+// The fast product's integer path compiled in: "avx512-vnni", "avx512bw", "avx2" or
+// "portable".
 const char* qpanel_isa();
 
 } // namespace mtp_native

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "flash.h"
+#include "vec16.h"
 #if defined(__AVX512F__) && !defined(SMALLROW_PORTABLE)
 #include <immintrin.h>
 #endif
@@ -28,53 +29,6 @@ namespace {
   throw std::invalid_argument("[row_attention] " + what);
 }
 
-// Vectors of 16 floats in the compiler's generic vector type: one AVX-512 register, two AVX2
-// ones, or plain loops, the same arithmetic (and bits) on each.
-typedef float V16 __attribute__((vector_size(64)));
-
-[[gnu::always_inline]] inline V16 load16(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// Lanes [0, w) of each half of an (x, y) pair of vectors summed with lanes [w, 2w): 2w-lane
-// groups of x and y become w-lane groups. Four stages (w = 8, 4, 2, 1) turn 16 vectors of 16
-// partial sums into one vector of 16 totals, key r in lane r, each total summed in the same
-// order whatever its lane.
-[[gnu::always_inline]] inline V16 fold8(V16 x, V16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-[[gnu::always_inline]] inline V16 fold4(V16 x, V16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-}
-[[gnu::always_inline]] inline V16 fold2(V16 x, V16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-         __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-}
-[[gnu::always_inline]] inline V16 fold1(V16 x, V16 y) {
-  return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-typedef int32_t I16 __attribute__((vector_size(64)));
-
-// 2**d lane-wise for d <= 0, 0 from -126.5 down (and for -inf): the scalar
-// flash::exp2_nonpositive's steps, rounding to nearest by the 1.5 * 2**23 shift.
-[[gnu::always_inline]] inline V16 exp2_nonpositive(V16 d) {
-  constexpr float kShift = 12582912.0f;
-  d = d > -127.0f ? d : V16{} - 127.0f;
-  const V16 r = (d + kShift) - kShift, f = d - r;
-  V16 p = V16{} + flash::kP[6];
-  for (int c = 5; c >= 0; --c) p = p * f + flash::kP[c];
-  const I16 bits = (__builtin_convertvector(r, I16) + 127) << 23;
-  V16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // Rows of float32 keys or values: chunk c (lanes 16c .. 16c + 15) of row j.
 struct FloatRows {
   const float* p;
@@ -83,9 +37,6 @@ struct FloatRows {
     return load16(p + j * s + 16 * c);
   }
 };
-
-typedef uint8_t U8x8 __attribute__((vector_size(8)));
-typedef uint8_t U8x16 __attribute__((vector_size(16)));
 
 // Rows packed by cache.kv_quantized: D * Bits / 8 bytes of unsigned integers (mx.quantize's
 // order: value i in byte i at 8 bits, in the low nibble of byte i / 2 for even i at 4 bits),
@@ -111,8 +62,8 @@ struct QuantRows {
   // The 16 integers of chunk c as floats (exact: they are below 256).
   [[gnu::always_inline]] static inline V16 widen(const uint8_t* r, int c) {
 #if defined(__AVX512F__) && !defined(SMALLROW_PORTABLE)
-    // GCC lowers the generic conversion below lane by lane; the intrinsics are one widening
-    // and one conversion (the same values).
+    // GCC lowers the generic conversion lane by lane; the intrinsics are one widening and
+    // one conversion (the same values).
     __m128i u;
     if constexpr (Bits == 8) {
       u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * c));
@@ -126,16 +77,16 @@ struct QuantRows {
     std::memcpy(&x, &f, sizeof x);
     return x;
 #else
-    U8x16 u;
+    uint8_t u[16];
     if constexpr (Bits == 8) {
-      std::memcpy(&u, r + 16 * c, 16);
+      std::memcpy(u, r + 16 * c, 16);
     } else {
-      U8x8 b;
-      std::memcpy(&b, r + 8 * c, 8);
-      const U8x8 lo = b & 15, hi = b >> 4;
-      u = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+      for (int i = 0; i < 8; ++i) {
+        u[2 * i] = r[8 * c + i] & 15;
+        u[2 * i + 1] = r[8 * c + i] >> 4;
+      }
     }
-    return __builtin_convertvector(u, V16);
+    return bytes_to_floats(u);
 #endif
   }
 };
@@ -168,12 +119,12 @@ void attend_row_vec(
     const float* q, const K& k, const K& v, int64_t n, float scale, float* scores, float* out) {
   V16 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
-  V16 top = V16{} - INFINITY;
+  V16 top = splat16(-INFINITY);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const V16 s = score_block<C>(qv, k, j, n, scale);
     std::memcpy(scores + j, &s, sizeof s);
-    top = top > s ? top : s;
+    top = greater_of(top, s);
   }
   float best = -INFINITY;
   for (int r = 0; r < 16; ++r) best = std::max(best, top[r]);
@@ -193,7 +144,7 @@ void attend_row_vec(
   float total = 0.0f;
   for (int64_t i = 0; i < n; ++i) total += scores[i];
   V16 even[C], odd[C];
-  for (int c = 0; c < C; ++c) even[c] = odd[c] = V16{};
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = splat16(0.0f);
   j = 0;
   for (; j + 2 <= n; j += 2) {
     const float p0 = scores[j], p1 = scores[j + 1];

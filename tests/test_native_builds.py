@@ -1,0 +1,112 @@
+"""The quantized products compute the same bits in every build.
+
+The fast product's contract (``runner/native/qkernels.h``) is that every build (AVX-512 with
+or without VNNI, AVX2, portable) computes the same integers and the same float operations, so
+a model's output does not depend on the CPU that runs it; the exact product's is that its
+result is the float32 panel product of the dequantized weight in the same build. The
+extension holds one build, so this compiles a small program over the product headers twice,
+for this CPU (``-march=native``) and portable, runs both on the same seeded panels and rows
+(4 and 8 bits, groups 16 to 64, float16 and float32 headers, 1 to 13 rows, a partial last
+panel), and compares the printed floats.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+NATIVE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "runner", "native")
+
+PROGRAM = r"""
+#include "qkernels.h"
+#include <cstdio>
+#include <random>
+int main() {
+  std::mt19937 rng(42);
+  std::normal_distribution<float> normal;
+  for (int bits : {4, 8}) for (int group : {16, 32, 64}) for (int half : {0, 1}) {
+    const int K = 256, n = 16 * 5 + 3, NB = (n + 15) / 16;
+    qpanels::Shape sh{K, group, bits, half != 0, NB, n};
+    std::vector<uint8_t> p(NB * sh.panel_bytes());
+    for (auto& b : p) b = rng() & 0xFF;
+    for (int64_t pi = 0; pi < NB; ++pi) for (int gi = 0; gi < K / group; ++gi) {
+      uint8_t* blk = p.data() + pi * sh.panel_bytes() + gi * sh.block();
+      for (int j = 0; j < 32; ++j) {  // scales (j < 16) > 0, biases < 0
+        if (half) {
+          uint16_t h = 0x2000 + (rng() % 0x800) + (j >= 16 ? 0x8000 : 0);
+          std::memcpy(blk + 2 * j, &h, 2);
+        } else {
+          float v = (j < 16 ? 0.01f : -0.1f) * (1.0f + (rng() % 100) / 100.0f);
+          std::memcpy(blk + 4 * j, &v, 4);
+        }
+      }
+    }
+    for (int M : {1, 2, 3, 5, 8, 13}) {
+      std::vector<float> x(M * K), fast(M * n), exact(M * n), widened(M * n);
+      for (auto& v : x) v = normal(rng);
+      qpanels::QuantRows rows;
+      qpanels::quantize_rows(x.data(), K, M, sh, rows);
+      qpanels::matmul_fast(rows, M, p.data(), sh, fast.data(), n, 0, NB);
+      qpanels::matmul_exact(x.data(), K, M, p.data(), sh, exact.data(), n, 0, NB);
+      qpanels::matmul_exact_widened(x.data(), K, M, p.data(), sh, widened.data(), n, 0, NB);
+      for (int i = 0; i < M * n; ++i) std::printf("%a %a %a\n", fast[i], exact[i], widened[i]);
+    }
+  }
+  std::fprintf(stderr, "%s\n", qpanels::fast_isa());
+}
+"""
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+pytestmark = pytest.mark.skipif(_compiler() is None, reason="no C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[list[str]], str]]:
+    tmp = tmp_path_factory.mktemp("builds")
+    source = tmp / "bits.cpp"
+    source.write_text(PROGRAM)
+    builds = {"native": ["-march=native"], "portable": ["-march=native", "-DSMALLROW_PORTABLE"]}
+    # The extension's flags: no contraction of separate multiplies and adds (CMakeLists.txt).
+    common = ["-std=c++17", "-O2", "-ffp-contract=off", f"-I{NATIVE_DIR}"]
+    procs = {
+        name: subprocess.Popen(
+            [_compiler(), *common, *flags, str(source), "-o", str(tmp / name)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, flags in builds.items()
+    }
+    result = {}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name} build failed:\n{err[-2000:]}"
+        run = subprocess.run([str(tmp / name)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        result[name] = ([line.split() for line in run.stdout.splitlines()], run.stderr.strip())
+    return result
+
+
+def test_fast_product_bits_do_not_depend_on_the_build(outputs):
+    native, isa = outputs["native"]
+    portable, portable_isa = outputs["portable"]
+    assert portable_isa == "portable"
+    assert len(native) == len(portable) > 30000
+    differ = sum(a[0] != b[0] for a, b in zip(native, portable, strict=True))
+    assert differ == 0, f"{differ} fast-product values differ between {isa} and portable"
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_exact_product_is_the_widened_float_product(outputs, build: str):
+    lines, _ = outputs[build]
+    differ = sum(line[1] != line[2] for line in lines)
+    assert differ == 0, f"{differ} exact values differ from the widened panels' product"
+    # The two products are different computations: the fast one is not the exact one.
+    assert sum(line[0] != line[1] for line in lines) > len(lines) // 2
