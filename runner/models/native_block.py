@@ -97,7 +97,7 @@ class NativeBlock:
         # quantized weights where their product is compute-bound.
         if threads is None:
             threads = blas.decode_threads()
-            if attn["_qkv_t"].dtype == mx.uint8:
+            if any(w.dtype == mx.uint8 for w in (attn["_qkv_t"], mlp["_gate_up_t"])):
                 threads = native.quantized_decode_threads(threads)
         qk_norm = "q_norm" in attn
         self._front = (

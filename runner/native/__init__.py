@@ -337,10 +337,19 @@ def quantized_decode_threads(default: int) -> int:
     memory-bound products, which leaves a core to build the next graph), or every core where
     the fast product is bound by its arithmetic instead: AVX2 has no 4-byte integer dot
     product, so a second core's share of the work outweighs the graph building it delays.
-    ``MTP_RUNNER_DECODE_THREADS`` set by the user keeps its say."""
-    if qpanel_isa() == "avx2" and os.environ.get("MTP_RUNNER_DECODE_THREADS") is None:
+    Where the user sets ``MTP_RUNNER_DECODE_THREADS``, ``default``."""
+    if qpanel_isa() == "avx2" and not _decode_threads_set():
         return LARGE_M_THREADS
     return default
+
+
+def _decode_threads_set() -> bool:
+    """Whether ``MTP_RUNNER_DECODE_THREADS`` holds a count the runner uses (a positive int;
+    ``runner.blas`` ignores anything else)."""
+    try:
+        return int(os.environ.get("MTP_RUNNER_DECODE_THREADS", "")) >= 1
+    except ValueError:
+        return False
 
 
 def qpanel_isa() -> str | None:
