@@ -316,6 +316,7 @@ def set_kernels(module: nn.Module, fast: bool) -> None:
             child.fast = fast
             child.rope.fast = fast
             child.rows_native = not fast and native.row_attention_available()
+            child.row_threads = native.decode_attention_threads()
 
 
 def compile_blocks(module: nn.Module, native_blocks: bool = True) -> int:

@@ -175,3 +175,32 @@ def test_each_row_is_the_one_row_call_over_its_keys(dim):
     assert np.array_equal(
         np.asarray(native.row_attention(strided, cache_k, v, scale=0.2)), together
     )
+
+
+@pytest.mark.skipif(not native.row_attention_available(), reason="no row attention")
+def test_row_attention_threads_give_the_same_bits():
+    """The rows of every head split over threads (past the work that pays a split) each keep
+    the code and bits of the one-thread call: the split changes no bit, on float and packed
+    caches, for more threads than rows and under MLX's compile."""
+    for shape in [(1, 9, 3, 1, 700, 64), (2, 4, 2, 3, 300, 32), (1, 2, 1, 1, 9, 16)]:
+        batch, heads, groups, rows, keys, dim = shape
+        q, k, v = operands(batch, heads, groups, rows, keys, dim, seed=keys)
+        one = np.asarray(native.row_attention(q, k, v, scale=0.125, threads=1))
+        assert np.abs(one - reference(q, k, v, 0.125, causal=True)).max() < 1e-5
+        for threads in (2, 3, 64):
+            many = native.row_attention(q, k, v, scale=0.125, threads=threads)
+            assert np.array_equal(np.asarray(many), one), (shape, threads)
+    compiled = mx.compile(lambda a, b, c: native.row_attention(a, b, c, scale=0.125, threads=2))
+    assert np.array_equal(
+        np.asarray(compiled(q, k, v)), np.asarray(native.row_attention(q, k, v, scale=0.125))
+    )
+    with pytest.raises(ValueError, match="threads"):
+        native.row_attention(q, k, v, scale=0.125, threads=0)
+    if native.row_attention_quantized_available(64):
+        from cache.kv_quantized import pack
+
+        q, k, v = operands(1, 9, 3, 2, 500, 64, seed=5)
+        pk, pv = pack(k, 4, 32), pack(v, 4, 32)
+        one = native.row_attention_quantized(q, pk, pv, scale=0.125, bits=4, group=32)
+        two = native.row_attention_quantized(q, pk, pv, scale=0.125, bits=4, group=32, threads=2)
+        assert mx.array_equal(one, two)

@@ -292,15 +292,19 @@ def packed_attention(
     scale: float,
     rows: bool,
     fused: bool,
+    threads: int = 1,
 ) -> mx.array | None:
     """Attention over a ``cache.kv_quantized`` cache's packed rows ``k``, ``v`` without a float
     copy, or None where no kernel reads them (the caller dequantizes). ``rows``: a causal feed
-    of a few rows the native row kernel may take (each row alone, as decoding it would);
-    ``fused``: no soft-capping or ``mx.fast`` kernel, so a long feed with a None or "causal"
-    mask takes the native fused kernel, which dequantizes each key tile as it reads it."""
+    of a few rows the native row kernel may take (each row alone, as decoding it would, split
+    over ``threads``); ``fused``: no soft-capping or ``mx.fast`` kernel, so a long feed with a
+    None or "causal" mask takes the native fused kernel, which dequantizes each key tile as it
+    reads it."""
     bits, group = cache.bits, cache.group
     if rows and native.row_attention_quantized_available(q.shape[-1]):
-        return native.row_attention_quantized(q, k, v, scale=scale, bits=bits, group=group)
+        return native.row_attention_quantized(
+            q, k, v, scale=scale, bits=bits, group=group, threads=threads
+        )
     if (
         fused
         and serves(q.shape[2], q.dtype, mask)

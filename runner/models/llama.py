@@ -94,6 +94,7 @@ class Attention(nn.Module):
     # A few rows attend through runner.native's row attention (one op per layer instead of
     # five per row; inference only, no gradient): set by runner.device.tune on the CPU.
     rows_native = False
+    row_threads = 1  # the native row attention's threads (runner.device.set_kernels)
 
     def __init__(self, args: ModelArgs, layer_type: str = "full_attention") -> None:
         super().__init__()
@@ -179,13 +180,15 @@ class Attention(nn.Module):
         native_rows = causal_rows and not self.fast and self.softcap is None and self.rows_native
         if isinstance(cache, QuantizedKVCache):  # packed rows (--kv-bits)
             fused = not self.fast and self.softcap is None
-            out = packed_attention(q, k, v, mask, cache, self.scale, native_rows, fused)
+            out = packed_attention(
+                q, k, v, mask, cache, self.scale, native_rows, fused, self.row_threads
+            )
             if out is not None:
                 return out
             k, v = cache.dequantize(k, v)  # any other reader: this call's float copy
         if native_rows:
             # One native op per layer, each row alone over its keys (runner.native).
-            return native.row_attention(q, k, v, scale=self.scale)
+            return native.row_attention(q, k, v, scale=self.scale, threads=self.row_threads)
         if 1 < rows <= ROW_BY_ROW and isinstance(mask, str) and not self.fast:
             keys = k.shape[2] - rows
             return mx.concatenate(

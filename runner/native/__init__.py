@@ -384,17 +384,31 @@ def row_attention_available() -> bool:
     return _ext is not None and hasattr(_ext, "row_attention")
 
 
-def row_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
+def row_attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, threads: int = 1
+) -> mx.array:
     """softmax(scale q k^T) v for a few float32 query rows ``q`` ``[B, H, L, D]`` over ``k``,
     ``v`` ``[B, G, T, D]``, row ``i`` over keys ``0 .. T - L + i`` (causal, lower-right), each
     row computed alone: row ``i`` of an ``L``-row call has the bits of the one-row call over
-    the same keys. Raises RuntimeError without the build (:func:`row_attention_available`)."""
+    the same keys, whatever ``threads`` (the heads' rows split over that many threads when
+    there is enough work). Raises RuntimeError without the build
+    (:func:`row_attention_available`)."""
     if not row_attention_available():
         raise RuntimeError(
             "runner.native has no row attention: "
             + (_reason or "rebuild it with `python -m runner.native.build`")
         )
-    return _ext.row_attention(q, k, v, scale)
+    return _ext.row_attention(q, k, v, scale, threads)
+
+
+def decode_attention_threads() -> int:
+    """Threads for the row attention of decode steps and verify feeds: those of a decode
+    step's quantized products (:func:`quantized_decode_threads` over
+    ``runner.blas.decode_threads``). The attention sits between a layer's products on the
+    stream's thread, where the products' other threads would wait anyway."""
+    from runner import blas
+
+    return quantized_decode_threads(blas.decode_threads())
 
 
 def row_attention_quantized_available(dim: int) -> bool:
@@ -407,7 +421,14 @@ def row_attention_quantized_available(dim: int) -> bool:
 
 
 def row_attention_quantized(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, bits: int, group: int
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    bits: int,
+    group: int,
+    threads: int = 1,
 ) -> mx.array:
     """:func:`row_attention` over the packed rows of a ``cache.kv_quantized`` cache (uint32
     ``[B, G, T, words]``): each key and value is dequantized 16 values at a time as it is read,
@@ -418,7 +439,7 @@ def row_attention_quantized(
             "runner.native has no quantized row attention for this head dimension: "
             + (_reason or "rebuild it with `python -m runner.native.build`")
         )
-    return _ext.row_attention_quantized(q, k, v, scale, bits, group)
+    return _ext.row_attention_quantized(q, k, v, scale, bits, group, threads)
 
 
 def flash_attention_quantized_available() -> bool:

@@ -110,10 +110,11 @@ NB_MODULE(_smallrow, m) {
       "k"_a,
       "v"_a,
       "scale"_a,
+      "threads"_a = 1,
       nb::kw_only(),
       "stream"_a = nb::none(),
       "softmax(scale q k^T) v for a few query rows q [B, H, L, D] over k, v [B, G, T, D], row i "
-      "over keys 0 .. T - L + i, each row computed alone (the same bits whatever L).");
+      "over keys 0 .. T - L + i, each row computed alone (the same bits whatever L or threads).");
   m.def(
       "row_attention_quantized",
       &mtp_native::row_attention_quantized,
@@ -123,6 +124,7 @@ NB_MODULE(_smallrow, m) {
       "scale"_a,
       "bits"_a,
       "group"_a,
+      "threads"_a = 1,
       nb::kw_only(),
       "stream"_a = nb::none(),
       "row_attention over packed quantized keys and values (cache.kv_quantized: uint32 "

@@ -77,21 +77,18 @@ void product(
     bool exact,
     int threads,
     qpanels::QuantRows& rows) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, w.NB));
   if (w.f != nullptr) {
-    run_parts(parts, [&](int64_t t) {
-      smallrow::panel_matmul(
-          x, w.K, M, w.f, static_cast<int>(w.K), w.n, y, w.n, w.NB * t / parts,
-          w.NB * (t + 1) / parts);
+    run_panel_ranges(threads, w.NB, [&](int64_t p0, int64_t p1) {
+      smallrow::panel_matmul(x, w.K, M, w.f, static_cast<int>(w.K), w.n, y, w.n, p0, p1);
     });
   } else if (exact || qpanels::fast_as_exact(M)) {
-    run_parts(parts, [&](int64_t t) {
-      qpanels::matmul_exact(x, w.K, M, w.q, w.qs, y, w.n, w.NB * t / parts, w.NB * (t + 1) / parts);
+    run_panel_ranges(threads, w.NB, [&](int64_t p0, int64_t p1) {
+      qpanels::matmul_exact(x, w.K, M, w.q, w.qs, y, w.n, p0, p1);
     });
   } else {
     qpanels::quantize_rows(x, w.K, M, w.qs, rows);
-    run_parts(parts, [&](int64_t t) {
-      qpanels::matmul_fast(rows, M, w.q, w.qs, y, w.n, w.NB * t / parts, w.NB * (t + 1) / parts);
+    run_panel_ranges(threads, w.NB, [&](int64_t p0, int64_t p1) {
+      qpanels::matmul_fast(rows, M, w.q, w.qs, y, w.n, p0, p1);
     });
   }
 }

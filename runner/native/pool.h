@@ -1,10 +1,11 @@
 // Worker threads kept for the life of the process, for primitives that split one product
 // over cores. Starting a thread per call costs tens of microseconds, as much as a verify
 // row's whole product on a small model; kept workers make a split pay from products of a
-// few rows up. A worker that finished a job spins on the job counter for a short while before
-// it sleeps, so the next product of the same forward starts at once; a sleeping worker wakes
-// through a condition variable. One job runs at a time: a caller that finds the pool busy
-// (another thread's product) runs every part itself, which gives the same results.
+// few rows up. A worker that finished a job spins on the job counter for a short while
+// before it sleeps, so the next product of the same forward starts at once (yielding its
+// core on each turn of the spin); a sleeping worker wakes through a condition variable. One
+// job runs at a time: a caller that finds the pool busy (another thread's product) runs every
+// part itself, which gives the same results.
 
 #pragma once
 
@@ -87,10 +88,14 @@ class WorkerPool {
   void work() {
     uint64_t seen = generation_.load(std::memory_order_acquire);
     for (;;) {
-      // Spin a while for the next job, then sleep until one is posted.
+      // Spin a while for the next job, yielding the core on each turn (to the thread that
+      // builds the next graph, where it waits for one: on a machine with as many threads
+      // as cores a spin that holds the core delays that graph), then sleep until one is
+      // posted.
       const auto until = std::chrono::steady_clock::now() + kSpin;
       while (generation_.load(std::memory_order_acquire) == seen &&
              std::chrono::steady_clock::now() < until) {
+        std::this_thread::yield();
       }
       if (generation_.load(std::memory_order_acquire) == seen) {
         std::unique_lock<std::mutex> lock(m_);

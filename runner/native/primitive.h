@@ -3,6 +3,7 @@
 
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -98,6 +99,15 @@ inline Rows4 rows4(
 template <typename F>
 void run_parts(int64_t parts, F&& part) {
   WorkerPool::instance().run(parts, part);
+}
+
+// Runs range(p0, p1) over contiguous panel ranges covering [0, panels), one per thread (up to
+// `threads`); every column is computed by the same code whichever range holds it, so the
+// split does not change the bits.
+template <typename F>
+void run_panel_ranges(int threads, int64_t panels, F&& range) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, panels));
+  run_parts(parts, [&](int64_t t) { range(panels * t / parts, panels * (t + 1) / parts); });
 }
 
 } // namespace mtp_native

@@ -130,18 +130,16 @@ void QPanelMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
       xs = x_buf.data();
       lx = sh.K;
     }
-    const int64_t parts = std::min<int64_t>(threads, sh.NB);
     if (exact || qpanels::fast_as_exact(M)) {
-      run_parts(std::max<int64_t>(parts, 1), [&](int64_t t) {
-        qpanels::matmul_exact(
-            xs, lx, M, p_ptr, sh, y, n, sh.NB * t / parts, sh.NB * (t + 1) / parts);
+      run_panel_ranges(threads, sh.NB, [&](int64_t p0, int64_t p1) {
+        qpanels::matmul_exact(xs, lx, M, p_ptr, sh, y, n, p0, p1);
       });
       return;
     }
     qpanels::QuantRows rows;
     qpanels::quantize_rows(xs, lx, M, sh, rows);
-    run_parts(std::max<int64_t>(parts, 1), [&](int64_t t) {
-      qpanels::matmul_fast(rows, M, p_ptr, sh, y, n, sh.NB * t / parts, sh.NB * (t + 1) / parts);
+    run_panel_ranges(threads, sh.NB, [&](int64_t p0, int64_t p1) {
+      qpanels::matmul_fast(rows, M, p_ptr, sh, y, n, p0, p1);
     });
   });
 }

@@ -234,22 +234,32 @@ void attend_one(
 }
 
 // Every query row of q [B, H, L, D] (the last L positions of T keys, each row over the keys up
-// to its own) against its group's keys and values, ``rows(b, g)`` giving them as a pair.
+// to its own) against its group's keys and values, ``rows(b, g)`` giving them as a pair. The
+// B * H * L rows are items split in contiguous runs over up to `threads` parts: each item is
+// attend_one alone, so which part computes it does not change its bits. A split wakes the
+// pool's workers, which pays only past kSplitWork multiply-adds (a few microseconds' work).
+constexpr int64_t kSplitWork = 1 << 16;
+
 template <typename RowsOf>
 void attend_rows(
     const Rows4& qo, float* y, int B, int H, int L, int D, int G, int64_t T, float log2_scale,
-    RowsOf rows) {
-  std::vector<float> scores(static_cast<size_t>(T));
+    int threads, RowsOf rows) {
   const int per_group = H / G;
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < H; ++h) {
+  const int64_t items = static_cast<int64_t>(B) * H * L;
+  const int64_t work = items * T * D; // at most: rows see up to T keys
+  const int64_t parts =
+      work < kSplitWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(threads, items));
+  run_parts(parts, [&](int64_t t) {
+    std::vector<float> scores(static_cast<size_t>(T));
+    for (int64_t item = items * t / parts; item < items * (t + 1) / parts; ++item) {
+      const int i = static_cast<int>(item % L);
+      const int h = static_cast<int>(item / L % H);
+      const int b = static_cast<int>(item / L / H);
       const auto [kr, vr] = rows(b, h / per_group);
-      for (int i = 0; i < L; ++i) {
-        const float* qi = qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2;
-        float* yi = y + ((static_cast<int64_t>(b) * H + h) * L + i) * D;
-        attend_one(qi, kr, vr, T - L + i + 1, D, log2_scale, scores.data(), yi);
-      }
+      const float* qi = qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2;
+      attend_one(qi, kr, vr, T - L + i + 1, D, log2_scale, scores.data(), y + item * D);
     }
+  });
 }
 
 } // namespace
@@ -259,7 +269,9 @@ mx::array row_attention(
     const mx::array& k,
     const mx::array& v,
     float scale,
+    int threads,
     mx::StreamOrDevice s) {
+  if (threads < 1) fail("threads must be >= 1");
   for (const auto* a : {&q, &k, &v})
     if (a->dtype() != mx::float32 || a->ndim() != 4) fail("q, k and v must be float32 4-D arrays");
   if (k.shape() != v.shape()) fail("k and v must have one shape");
@@ -270,7 +282,7 @@ mx::array row_attention(
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (stream.device != mx::Device::cpu) fail("runs on a CPU stream only");
   return mx::array(
-      q.shape(), mx::float32, std::make_shared<RowAttention>(stream, scale), {q, k, v});
+      q.shape(), mx::float32, std::make_shared<RowAttention>(stream, scale, threads), {q, k, v});
 }
 
 void RowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -287,13 +299,13 @@ void RowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
   encoder.dispatch([qp = q.data<float>(), qsh = q.shape(), qst = q.strides(),
                     kp = k.data<float>(), ksh = k.shape(), kst = k.strides(),
                     vp = v.data<float>(), vst = v.strides(), y = out.data<float>(), B, H, L, D, G,
-                    T, scale = scale_]() {
+                    T, scale = scale_, threads = threads_]() {
     std::vector<float> qbuf, kbuf, vbuf;
     const Rows4 qo = rows4(qp, qsh, qst, qbuf);
     const Rows4 ko = rows4(kp, ksh, kst, kbuf);
     const Rows4 vo = rows4(vp, ksh, vst, vbuf);
     const float log2_scale = scale * 1.4426950408889634f; // scores in log2 units
-    attend_rows(qo, y, B, H, L, D, G, T, log2_scale, [&](int b, int g) {
+    attend_rows(qo, y, B, H, L, D, G, T, log2_scale, threads, [&](int b, int g) {
       return std::pair{
           FloatRows{ko.data + b * ko.s0 + g * ko.s1, ko.s2},
           FloatRows{vo.data + b * vo.s0 + g * vo.s1, vo.s2}};
@@ -302,7 +314,8 @@ void RowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
 }
 
 bool RowAttention::is_equivalent(const mx::Primitive& other) const {
-  return scale_ == static_cast<const RowAttention&>(other).scale_;
+  const auto& o = static_cast<const RowAttention&>(other);
+  return scale_ == o.scale_ && threads_ == o.threads_;
 }
 
 std::vector<mx::Shape> RowAttention::output_shapes(const std::vector<mx::array>& inputs) {
@@ -338,11 +351,11 @@ Bytes4 bytes4(
 template <int Bits>
 void run_quantized(
     const Rows4& qo, const Bytes4& ko, const Bytes4& vo, float* y, int B, int H, int L, int D,
-    int G, int64_t T, int group, float log2_scale) {
+    int G, int64_t T, int group, float log2_scale, int threads) {
   int shift = 0;
   while ((16 << shift) < group) ++shift;
   const int qbytes = D * Bits / 8, groups = D / group;
-  attend_rows(qo, y, B, H, L, D, G, T, log2_scale, [&](int b, int g) {
+  attend_rows(qo, y, B, H, L, D, G, T, log2_scale, threads, [&](int b, int g) {
     return std::pair{
         QuantRows<Bits>{ko.data + b * ko.s0 + g * ko.s1, ko.s2, qbytes, groups, shift},
         QuantRows<Bits>{vo.data + b * vo.s0 + g * vo.s1, vo.s2, qbytes, groups, shift}};
@@ -358,7 +371,9 @@ mx::array row_attention_quantized(
     float scale,
     int bits,
     int group,
+    int threads,
     mx::StreamOrDevice s) {
+  if (threads < 1) fail("threads must be >= 1");
   if (q.dtype() != mx::float32 || q.ndim() != 4) fail("q must be a float32 4-D array");
   for (const auto* a : {&k, &v})
     if (a->dtype() != mx::uint32 || a->ndim() != 4) fail("k and v must be uint32 4-D arrays");
@@ -377,7 +392,7 @@ mx::array row_attention_quantized(
   if (stream.device != mx::Device::cpu) fail("runs on a CPU stream only");
   return mx::array(
       q.shape(), mx::float32,
-      std::make_shared<QuantizedRowAttention>(stream, scale, bits, group), {q, k, v});
+      std::make_shared<QuantizedRowAttention>(stream, scale, bits, group, threads), {q, k, v});
 }
 
 void QuantizedRowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -394,7 +409,7 @@ void QuantizedRowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::a
   encoder.dispatch([qp = q.data<float>(), qsh = q.shape(), qst = q.strides(),
                     kp = k.data<uint32_t>(), ksh = k.shape(), kst = k.strides(),
                     vp = v.data<uint32_t>(), vst = v.strides(), y = out.data<float>(), B, H, L,
-                    D, G, T, scale = scale_, bits = bits_, group = group_]() {
+                    D, G, T, scale = scale_, bits = bits_, group = group_, threads = threads_]() {
     std::vector<float> qbuf;
     std::vector<uint32_t> kbuf, vbuf;
     const Rows4 qo = rows4(qp, qsh, qst, qbuf);
@@ -402,15 +417,15 @@ void QuantizedRowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::a
     const Bytes4 vo = bytes4(vp, ksh, vst, vbuf);
     const float log2_scale = scale * 1.4426950408889634f; // scores in log2 units
     if (bits == 8)
-      run_quantized<8>(qo, ko, vo, y, B, H, L, D, G, T, group, log2_scale);
+      run_quantized<8>(qo, ko, vo, y, B, H, L, D, G, T, group, log2_scale, threads);
     else
-      run_quantized<4>(qo, ko, vo, y, B, H, L, D, G, T, group, log2_scale);
+      run_quantized<4>(qo, ko, vo, y, B, H, L, D, G, T, group, log2_scale, threads);
   });
 }
 
 bool QuantizedRowAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedRowAttention&>(other);
-  return scale_ == o.scale_ && bits_ == o.bits_ && group_ == o.group_;
+  return scale_ == o.scale_ && bits_ == o.bits_ && group_ == o.group_ && threads_ == o.threads_;
 }
 
 std::vector<mx::Shape> QuantizedRowAttention::output_shapes(const std::vector<mx::array>& inputs) {

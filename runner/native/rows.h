@@ -13,17 +13,21 @@ namespace mtp_native {
 
 // q: float32 [B, H, L, D]; k, v: float32 [B, G, T, D] (G divides H; head h reads group
 // h / (H / G)), L <= T, any strides with unit stride along D. Row i sits at position
-// T - L + i and sees keys 0 .. T - L + i. Returns float32 [B, H, L, D].
+// T - L + i and sees keys 0 .. T - L + i. Returns float32 [B, H, L, D]. `threads` splits the
+// rows (each head's row is one item) over the process's workers when there is enough work;
+// every row is still computed alone by the same code, so the bits do not depend on it.
 mx::array row_attention(
     const mx::array& q,
     const mx::array& k,
     const mx::array& v,
     float scale,
+    int threads = 1,
     mx::StreamOrDevice s = {});
 
 class RowAttention : public InferencePrimitive {
  public:
-  RowAttention(mx::Stream stream, float scale) : InferencePrimitive(stream), scale_(scale) {}
+  RowAttention(mx::Stream stream, float scale, int threads)
+      : InferencePrimitive(stream), scale_(scale), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -34,6 +38,7 @@ class RowAttention : public InferencePrimitive {
 
  private:
   float scale_;
+  int threads_;
 };
 
 // The same over a cache.kv_quantized packed cache: k, v uint32 [B, G, T, W] with
@@ -46,12 +51,13 @@ mx::array row_attention_quantized(
     float scale,
     int bits,
     int group,
+    int threads = 1,
     mx::StreamOrDevice s = {});
 
 class QuantizedRowAttention : public InferencePrimitive {
  public:
-  QuantizedRowAttention(mx::Stream stream, float scale, int bits, int group)
-      : InferencePrimitive(stream), scale_(scale), bits_(bits), group_(group) {}
+  QuantizedRowAttention(mx::Stream stream, float scale, int bits, int group, int threads)
+      : InferencePrimitive(stream), scale_(scale), bits_(bits), group_(group), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -62,7 +68,7 @@ class QuantizedRowAttention : public InferencePrimitive {
 
  private:
   float scale_;
-  int bits_, group_;
+  int bits_, group_, threads_;
 };
 
 } // namespace mtp_native
