@@ -147,6 +147,8 @@ def tune(
         # float32 and every round pays it; 8 bits keep its acceptance (scripts/bench/spec.py).
         quantize_weights(head, HEAD_BITS, cpu)
     _lay_out_weights(model, head, layout, expert_layout)
+    for part in parts:
+        set_row_threads(part)
     rows = False
     if head is not None and layout == "packed":
         rows = blas.row_layout_pays() if row_layout is None else row_layout
@@ -316,7 +318,19 @@ def set_kernels(module: nn.Module, fast: bool) -> None:
             child.fast = fast
             child.rope.fast = fast
             child.rows_native = not fast and native.row_attention_available()
-            child.row_threads = native.decode_attention_threads()
+
+
+def set_row_threads(module: nn.Module) -> None:
+    """The native row attention's threads below ``module``: a decode step's
+    (``runner.blas.decode_threads``), every core where ``module`` holds quantized panels and
+    their products take every core (``runner.native.quantized_decode_threads``). The attention
+    runs between a layer's products on the stream's thread, where their other threads wait."""
+    threads = blas.decode_threads()
+    if holds_quantized_panels(module):
+        threads = native.quantized_decode_threads(threads)
+    for _, child in module.named_modules():
+        if isinstance(child, Attention):
+            child.row_threads = threads
 
 
 def compile_blocks(module: nn.Module, native_blocks: bool = True) -> int:

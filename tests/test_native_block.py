@@ -301,3 +301,34 @@ def test_float16_blocks_stay_compiled():
     device.tune(model, layout="panels")
     assert "float32" in native_block.refusal(model.layers[0])
     assert all(isinstance(b, CompiledBlock) for b in device.blocks_of(model))
+
+
+def _row_threads(model: Model) -> set[int]:
+    from runner.models.llama import Attention
+
+    return {m.row_threads for _, m in model.named_modules() if isinstance(m, Attention)}
+
+
+def test_row_attention_takes_the_decode_threads_and_keeps_its_bits(monkeypatch):
+    """``device.tune`` gives the row attention a decode step's threads (every core where the
+    model's quantized products take them), and a decode step over enough keys to split the
+    attention computes the bits of the one-thread attention."""
+    from runner import blas
+
+    cores = blas.decode_threads()
+    assert _row_threads(_model("llama", "float")) == {cores}
+    assert _row_threads(_model("llama", "q4")) == {native.quantized_decode_threads(cores)}
+    monkeypatch.setenv("MTP_RUNNER_DECODE_THREADS", "3")
+    model = _model("llama", "q4")
+    assert _row_threads(model) == {3}
+    prompt = mx.array([[(i * 37) % 300 + 5 for i in range(1100)]])  # 4 heads x 16 x 1,100 keys
+    logits = {}
+    for threads in (1, 3):
+        for _, m in model.named_modules():
+            if hasattr(m, "row_threads"):
+                m.row_threads = threads
+        caches = model.make_caches()
+        model(prompt, caches)
+        steps = [model(mx.array([[7 + i]]), caches)[:, -1] for i in range(3)]
+        logits[threads] = np.array(mx.concatenate(steps))
+    assert np.array_equal(logits[1], logits[3])

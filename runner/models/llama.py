@@ -94,7 +94,7 @@ class Attention(nn.Module):
     # A few rows attend through runner.native's row attention (one op per layer instead of
     # five per row; inference only, no gradient): set by runner.device.tune on the CPU.
     rows_native = False
-    row_threads = 1  # the native row attention's threads (runner.device.set_kernels)
+    row_threads = 1  # the native row attention's threads (runner.device.set_row_threads)
 
     def __init__(self, args: ModelArgs, layer_type: str = "full_attention") -> None:
         super().__init__()

@@ -401,16 +401,6 @@ def row_attention(
     return _ext.row_attention(q, k, v, scale, threads)
 
 
-def decode_attention_threads() -> int:
-    """Threads for the row attention of decode steps and verify feeds: those of a decode
-    step's quantized products (:func:`quantized_decode_threads` over
-    ``runner.blas.decode_threads``). The attention sits between a layer's products on the
-    stream's thread, where the products' other threads would wait anyway."""
-    from runner import blas
-
-    return quantized_decode_threads(blas.decode_threads())
-
-
 def row_attention_quantized_available(dim: int) -> bool:
     """Whether the compiled module attends over packed quantized rows of head dim ``dim``."""
     return (

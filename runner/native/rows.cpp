@@ -249,15 +249,17 @@ void attend_rows(
   const int64_t work = items * T * D; // at most: rows see up to T keys
   const int64_t parts =
       work < kSplitWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(threads, items));
+  // Every part's scores allocated here: a part (on a worker) must not allocate or throw.
+  std::vector<float> scores(static_cast<size_t>(parts * T));
   run_parts(parts, [&](int64_t t) {
-    std::vector<float> scores(static_cast<size_t>(T));
+    float* own = scores.data() + t * T;
     for (int64_t item = items * t / parts; item < items * (t + 1) / parts; ++item) {
       const int i = static_cast<int>(item % L);
       const int h = static_cast<int>(item / L % H);
       const int b = static_cast<int>(item / L / H);
       const auto [kr, vr] = rows(b, h / per_group);
       const float* qi = qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2;
-      attend_one(qi, kr, vr, T - L + i + 1, D, log2_scale, scores.data(), y + item * D);
+      attend_one(qi, kr, vr, T - L + i + 1, D, log2_scale, own, y + item * D);
     }
   });
 }

@@ -14,8 +14,8 @@ namespace mtp_native {
 // q: float32 [B, H, L, D]; k, v: float32 [B, G, T, D] (G divides H; head h reads group
 // h / (H / G)), L <= T, any strides with unit stride along D. Row i sits at position
 // T - L + i and sees keys 0 .. T - L + i. Returns float32 [B, H, L, D]. `threads` splits the
-// rows (each head's row is one item) over the process's workers when there is enough work;
-// every row is still computed alone by the same code, so the bits do not depend on it.
+// query rows (b, h, i) over the process's workers when there is enough work; every row is
+// still computed alone by the same code, so the bits do not depend on it.
 mx::array row_attention(
     const mx::array& q,
     const mx::array& k,
