@@ -26,6 +26,10 @@
 
 #include "kernels.h"
 
+#if !defined(SMALLROW_PORTABLE) && defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace qpanels {
 
 constexpr int kPanel = 16; // columns per panel: 16 32-bit lanes
@@ -142,8 +146,40 @@ inline int64_t packed_at(int64_t k, int bits) {
 }
 
 // One level: the block's values (`r`, ab of them) as int8 q with scale d = max|r| / 127; `r`
-// keeps what the level leaves, r - d q (float32 ops).
+// keeps what the level leaves, r - d q (float32 ops). Vector builds compute 8 values at a time
+// with the same operations (the maximum is exact in any order; rounding to nearest-even as
+// nearbyint does in the default mode; the clamps as std::min / std::max order them): the same
+// bits as the scalar loop, which portable builds run.
 inline float quantize_level(float* r, int ab, int8_t* q, int bits, int64_t k0) {
+#if !defined(SMALLROW_PORTABLE) && defined(__AVX2__)
+  __m256 vmax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < ab; i += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(r + i)));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float vamax = 0.0f;
+  for (float lane : lanes) vamax = std::max(vamax, lane);
+  const float vd = vamax / 127.0f;
+  const __m256 d8 = _mm256_set1_ps(vd), inv8 = _mm256_set1_ps(vd > 0.0f ? 1.0f / vd : 0.0f);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  // 4-bit panels take each 8 inputs as 0 2 4 6 1 3 5 7 (packed_at)
+  const __m256i order = bits == 4 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
+                                  : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int i = 0; i < ab; i += 8) {
+    const __m256 x = _mm256_loadu_ps(r + i);
+    __m256 v = _mm256_round_ps(
+        _mm256_mul_ps(x, inv8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+    const __m256i vi = _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(v), order);
+    const __m128i w16 =
+        _mm_packs_epi32(_mm256_castsi256_si128(vi), _mm256_extracti128_si256(vi, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w16, w16));
+    _mm256_storeu_ps(r + i, _mm256_sub_ps(x, _mm256_mul_ps(d8, v)));
+  }
+  (void)k0;
+  return vd;
+#else
   float amax = 0.0f;
   for (int i = 0; i < ab; ++i) amax = std::max(amax, std::fabs(r[i]));
   const float d = amax / 127.0f;
@@ -156,6 +192,7 @@ inline float quantize_level(float* r, int ab, int8_t* q, int bits, int64_t k0) {
     r[i] = r[i] - dv;
   }
   return d;
+#endif
 }
 
 inline void quantize_rows(const float* x, int64_t ldx, int64_t M, const Shape& sh, QuantRows& out) {
