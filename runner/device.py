@@ -321,13 +321,10 @@ def set_kernels(module: nn.Module, fast: bool) -> None:
 
 
 def set_row_threads(module: nn.Module) -> None:
-    """The native row attention's threads below ``module``: a decode step's
-    (``runner.blas.decode_threads``), every core where ``module`` holds quantized panels and
-    their products take every core (``runner.native.quantized_decode_threads``). The attention
-    runs between a layer's products on the stream's thread, where their other threads wait."""
-    threads = blas.decode_threads()
-    if holds_quantized_panels(module):
-        threads = native.quantized_decode_threads(threads)
+    """The native row attention's threads below ``module``: its decode products' threads
+    (``native_block.decode_threads``). The attention runs between a layer's products on the
+    stream's thread, where their other threads wait."""
+    threads = native_block.decode_threads(holds_quantized_panels(module))
     for _, child in module.named_modules():
         if isinstance(child, Attention):
             child.row_threads = threads

@@ -80,6 +80,14 @@ def refusal(layer: nn.Module) -> str | None:
     return None
 
 
+def decode_threads(quantized: bool) -> int:
+    """Threads for a decode step's products and the row attention between them: a decode
+    step's (``runner.blas.decode_threads``), every core for quantized weights where their
+    product is compute-bound (``runner.native.quantized_decode_threads``)."""
+    threads = blas.decode_threads()
+    return native.quantized_decode_threads(threads) if quantized else threads
+
+
 class NativeBlock:
     """``before_cache`` and ``after_attention`` of one ``DecoderLayer`` as native nodes (a
     plain object, outside the parameter tree, in the place of a ``CompiledBlock``). Like a
@@ -93,12 +101,9 @@ class NativeBlock:
 
     def __init__(self, layer: DecoderLayer, threads: int | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        # The products' threads: a decode step's (runner.blas.decode_threads), all cores for
-        # quantized weights where their product is compute-bound.
         if threads is None:
-            threads = blas.decode_threads()
-            if any(w.dtype == mx.uint8 for w in (attn["_qkv_t"], mlp["_gate_up_t"])):
-                threads = native.quantized_decode_threads(threads)
+            quantized = any(w.dtype == mx.uint8 for w in (attn["_qkv_t"], mlp["_gate_up_t"]))
+            threads = decode_threads(quantized)
         qk_norm = "q_norm" in attn
         self._front = (
             layer.input_layernorm.weight,

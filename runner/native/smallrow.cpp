@@ -122,14 +122,9 @@ void PanelMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
       densify(p_ptr, p_shape, p_strides, p_buf.data());
       ps = p_buf.data();
     }
-    const int64_t parts = std::min<int64_t>(threads, NB);
-    if (parts <= 1) {
-      smallrow::panel_matmul(xs, lx, M, ps, K, n, y, n, 0, NB);
-      return;
-    }
     // Panels split into contiguous ranges, one per thread; the calling thread takes the first.
-    run_parts(parts, [&](int64_t t) {
-      smallrow::panel_matmul(xs, lx, M, ps, K, n, y, n, NB * t / parts, NB * (t + 1) / parts);
+    run_panel_ranges(threads, NB, [&](int64_t p0, int64_t p1) {
+      smallrow::panel_matmul(xs, lx, M, ps, K, n, y, n, p0, p1);
     });
   });
 }
