@@ -269,10 +269,12 @@ class ChunkedPrefill:
     def run(self, budget_s: float | None = None) -> bool:
         """Feed some of the prompt: all of it (``budget_s`` None), one whole chunk (``inf``),
         else layers of the current chunk until about ``budget_s`` seconds went by (at least
-        one layer). True once every token is in."""
+        one layer; a model fed whole chunks, one chunk). True once every token is in."""
         if budget_s is not None and budget_s != float("inf"):
-            self._run_layers(budget_s)
-            return self.done
+            if takes_layer_hook(self.model):
+                self._run_layers(budget_s)
+                return self.done
+            budget_s = float("inf")  # e.g. a split model: its other ranks take whole chunks
         if self._open is not None:  # a chunk begun layer by layer: finish it first
             self._run_layers(float("inf"), whole_chunk=True)
             if budget_s is not None:

@@ -117,8 +117,7 @@ def _refusal(*argv: str) -> str | None:
 def test_options_the_pipeline_does_not_serve_are_refused_by_name(monkeypatch):
     monkeypatch.delenv("MLX_RANK", raising=False)
     assert _refusal("--model", "m", "--ranks", "2") is None  # defaults are turned off instead
-    assert "--parallel 2" in _refusal("--model", "m", "--ranks", "2", "--parallel", "2")
-    assert _refusal("--model", "m", "--ranks", "2", "--parallel", "1") is None
+    assert _refusal("--model", "m", "--ranks", "2", "--parallel", "2") is None  # shared forwards
     assert _refusal("--model", "m", "--ranks", "2", "--draft-depth", "2", "--draft", "d") is None
     assert "--cache-dir" in _refusal("--model", "m", "--ranks", "2", "--cache-dir", "/tmp/x")
     assert _refusal("--model", "m", "--ranks", "2", "--cache-bytes", "64M") is None
@@ -257,6 +256,14 @@ class ScriptedChannel:
     def send_rows(self, rows: mx.array) -> None:
         self.sent.append(rows)
 
+    def recv_table(self, shape: tuple[int, int]) -> list[list[int]]:
+        table = self.script.pop(0)
+        assert (len(table), len(table[0])) == shape
+        return table
+
+    def send_table(self, table: list[list[int]]) -> None:
+        self.passed.append(table)
+
 
 def _later_stage(path: str) -> Model:
     options = stage.StageLoad()
@@ -302,6 +309,35 @@ def test_a_later_rank_out_of_step_with_rank_0_stops(deep_checkpoint):
     channel = ScriptedChannel([Command(Op.FORWARD, 1, 2, 0), rows, Command(Op.FORWARD, 1, 2, 5)])
     with pytest.raises(follower.OutOfStep, match="rest at 2"):
         follower.follow(channel, model)
+
+
+def test_a_later_rank_gives_each_set_of_a_shared_forward_its_own_rows_bits(deep_checkpoint):
+    model = _later_stage(deep_checkpoint)
+    width = model.args.hidden_size
+    prompts = [mx.random.normal((1, n, width), key=mx.random.key(n)) for n in (3, 5)]
+    shared = mx.random.normal((1, 2, width), key=mx.random.key(7))
+    channel = ScriptedChannel(
+        [
+            Command(Op.FORWARD, 1, 3, 0),
+            prompts[0],
+            Command(Op.FORWARD, 2, 5, 0),
+            prompts[1],
+            Command(Op.FORWARD_ROWS, rows=2),
+            [[2, 1], [5, 3]],  # set 2's row first: rows follow the table, not set order
+            shared,
+            Command(Op.FORWARD_ROWS, rows=2),
+            [[1, 2], [4, 5]],  # set 2 rests at 6 now: out of step
+            Command(Op.SHUTDOWN),
+        ]
+    )
+    with pytest.raises(follower.OutOfStep, match="caches 2 rest at 6"):
+        follower.follow(channel, model)
+    assert channel.passed[3] == [[2, 1], [5, 3]]  # the table is passed down the chain
+    for row, (prompt, index) in enumerate(((prompts[1], 1), (prompts[0], 0))):
+        caches = model.make_caches()
+        mx.eval(model.hidden(prompt, caches, prenorm=True))
+        alone = model.hidden(shared[:, row : row + 1], caches, prenorm=True)
+        assert mx.array_equal(channel.sent[2][:, row : row + 1], alone).item(), index
 
 
 # ---------------------------------------------------------------------------- real runners
@@ -369,21 +405,80 @@ async def test_ranks_split_a_moe_model_as_one_process_runs_it():
     path = os.path.join(MOE, "qwen3_moe")
     # Its context is 256 positions: the long prompt at half its length (still several chunks).
     prompt = LONG_PROMPT[: len(LONG_PROMPT) // 2]
-    requests = [*REQUESTS[:2], {**REQUESTS[2], "prompt": prompt}, {**REQUESTS[3], "prompt": prompt}]
+    requests = [*_longer(REQUESTS[:2]), *({**r, "prompt": prompt} for r in REQUESTS[2:])]
     expected = await _outputs(_runner(path), requests)
     assert await _outputs(_runner(path, "--ranks", "3"), requests) == expected
+    assert await _shared_outputs(_runner(path, "--ranks", "2", "--parallel", "2"), requests) == (
+        expected
+    )
+
+
+async def _shared_outputs(cmd: list[str], requests: list[dict]) -> list[list[int]]:
+    """Every request sent at once; each one's tokens. Asserts the first two overlapped (the
+    second streamed a token before the first was done: they shared forwards)."""
+    runner = await RunnerProcess.start(cmd)
+    try:
+        for index, request in enumerate(requests):
+            await runner.send({"type": "completion", "id": f"r{index}", **request})
+        outputs = []
+        for index in range(len(requests)):
+            tokens, done = await runner.completion(f"r{index}", 120)
+            assert done["done_reason"] == "length", done
+            outputs.append([t for frame in tokens for t in frame["tokens"]])
+        await runner.send({"type": "shutdown"})
+        assert await runner.wait_exit() == 0, runner.stderr_tail()
+    finally:
+        await runner.stop()
+    assert not runner.violations, runner.violations[:3]
+    order = [(f.get("id"), f["type"]) for f in runner.frames]
+    assert order.index(("r1", "token")) < order.index(("r0", "done")), order
+    return outputs
+
+
+def _longer(requests: list[dict]) -> list[dict]:
+    """Completions long enough that the second joins the first's forwards."""
+    return [{**r, "options": {**r["options"], "num_predict": 24}} for r in requests]
+
+
+async def test_ranks_share_forwards_between_requests_as_one_process_runs_each(deep_checkpoint):
+    requests = [*_longer(REQUESTS[:2]), *REQUESTS[2:]]
+    expected = await _outputs(_runner(deep_checkpoint), requests)
+    for size in (2, 3):
+        cmd = _runner(deep_checkpoint, "--ranks", str(size), "--parallel", "2")
+        assert await _shared_outputs(cmd, requests) == expected, size
+
+
+async def test_later_ranks_sliding_windows_keep_one_completion_at_a_time(checkpoint_factory):
+    # Rank 0's layers attend in full; the second rank's slide a window, which one process
+    # does not batch either: refused where the ranks are linked, said in the log.
+    path = checkpoint_factory(
+        "qwen2",
+        num_hidden_layers=LAYERS,
+        use_sliding_window=True,
+        max_window_layers=2,
+        sliding_window=6,
+    )
+    runner = await RunnerProcess.start(_runner(path, "--ranks", "2", "--parallel", "2"))
+    try:
+        await runner.send({"type": "shutdown"})
+        assert await runner.wait_exit() == 0, runner.stderr_tail()
+    finally:
+        await runner.stop()
+    log = runner.stderr.decode()
+    assert "sliding-window layers are not batched across sequences" in log, log[-2000:]
+    assert "across 2 ranks: one completion at a time" in log, log[-2000:]
 
 
 def test_an_option_the_ranks_do_not_serve_is_refused_before_anything_starts(deep_checkpoint):
     out = subprocess.run(
-        _runner(deep_checkpoint, "--ranks", "2", "--parallel", "2"),
+        _runner(deep_checkpoint, "--ranks", "2", "--kv-bits", "8"),
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert out.returncode == 2 and out.stdout == ""
-    assert "--parallel 2" in out.stderr
+    assert "--kv-bits" in out.stderr
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,9 @@ class Op(IntEnum):
     MERGE = 9  # snap (the new id), head, tail (merged and dropped)
     # Lay the layers out for verify rows as rank 0 did (``runner.device.tune`` with a head).
     ROW_LAYOUT = 10
+    # A shared forward (``--parallel``): one decode row for each of several sets. An int32
+    # [2, rows] table (each row's set, the offset it is fed at) follows, then the rows.
+    FORWARD_ROWS = 11  # rows, dtype
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,19 @@ class Channel:
     def send_rows(self, rows: mx.array) -> None:
         """Hand hidden rows ``[1, L, D]`` on (the last rank: back to rank 0), evaluated."""
         mx.eval(mx.distributed.send(rows, self.next, group=self.group))
+
+    def send_table(self, table: list[list[int]]) -> None:
+        """Pass a small int32 table down the chain (the last rank passes nothing on)."""
+        if not self.last:
+            words = mx.array(table, dtype=mx.int32)
+            mx.eval(mx.distributed.send(words, self.next, group=self.group))
+
+    def recv_table(self, shape: tuple[int, int]) -> list[list[int]]:
+        """An int32 table of ``shape`` from the previous rank."""
+        self._wait()
+        table = mx.distributed.recv(shape, mx.int32, self.prev, group=self.group)
+        mx.eval(table)
+        return table.tolist()
 
     def recv_rows(self, count: int, dtype: mx.Dtype) -> mx.array:
         """Hidden rows ``[1, count, D]`` from the previous rank, evaluated."""

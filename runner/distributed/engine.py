@@ -8,11 +8,13 @@ gets the final hidden rows back (a head fusing residual streams reads only rank 
 ``runner.distributed.pipeline``). The head is built against the whole model's shape (a
 sidecar names the target's layer count; rank 0's stage holds only its share), and when
 rank 0 lays its layers out for verify rows the other ranks are told to as well
-(``Op.ROW_LAYOUT``), so every rank computes what one process computes. What this slice does
-not serve across ranks is turned off before ``ready`` and said where the host sees it: one
-completion at a time (the log); ``runner.distributed.main`` refuses the options that ask for
-it explicitly. The prefix cache is served (``runner.distributed.remote``) where every later
-rank's layers attend in full; with a sliding window there it is off, and the log says so.
+(``Op.ROW_LAYOUT``), so every rank computes what one process computes. Shared forwards
+(``--parallel``) cross the ranks as one exchange of a row per sequence (``Op.FORWARD_ROWS``),
+each row after its own set of the other ranks' caches; where a later rank's layers slide a
+window they are refused as one process refuses them (one completion at a time, the log
+says why). ``runner.distributed.main`` refuses the options that ask for what is not served.
+The prefix cache is served (``runner.distributed.remote``) where every later rank's layers
+attend in full; with a sliding window there it is off, and the log says so.
 """
 
 from __future__ import annotations
@@ -38,11 +40,6 @@ from runner.models.gemma4_assistant import is_assistant
 from runner.models.llama import Model
 
 log = logging.getLogger("mtp_runner.distributed")
-
-
-def served_options(options: EngineOptions) -> EngineOptions:
-    """``options`` with what the pipeline does not serve yet turned off."""
-    return dataclasses.replace(options, parallel=1)
 
 
 class WholeShape:
@@ -72,8 +69,8 @@ class PipelineEngine(Engine):
         self.group = group
         self.watchdog = watchdog
         self.whole_args: llama.ModelArgs | None = None  # set by ``_load``
-        log.info("across %d ranks: one completion at a time", group.size())
-        super().__init__(served_options(options), progress)
+        super().__init__(options, progress)
+        log.info("across %d ranks: %s", group.size(), self.parallel_detail)
         if self.tuning.row_layout:  # the other ranks' layers take verify rows as rank 0's do
             self.model.link.command(Command(Op.ROW_LAYOUT))
 
@@ -101,6 +98,8 @@ class PipelineEngine(Engine):
         row_bytes = kv_row_bytes(checkpoint.args, later, DTYPES[dtype])
         loaded.model.link = Link(channel, self.watchdog, row_bytes)
         windowed = windowed_layers(checkpoint.args, later)
+        if windowed:
+            loaded.model.later_refusal = "sliding-window layers are not batched across sequences"
         if windowed and self.options.prefix_cache:
             log.info(
                 "no prefix cache: layers %s of the other ranks slide a window (not served "
@@ -162,10 +161,11 @@ class PipelineEngine(Engine):
         return head, detail
 
     def _warm_up(self, report: Progress) -> None:
-        """Trace rank 0's own compiled blocks for one- and two-row feeds (the other ranks
-        trace theirs at load): its layers alone, on caches of their own."""
+        """Trace rank 0's own compiled blocks for one- and two-row feeds and a shared forward's
+        rows (the other ranks trace theirs at load, or on first use): its layers alone, on
+        caches of their own."""
         report("compile", 0, 1)
-        for rows in (1, 2):
+        for rows in range(1, max(2, self.parallel) + 1):
             caches = Model.make_caches(self.model)
             mx.eval(Model.hidden(self.model, mx.zeros((1, rows), dtype=mx.int32), caches))
         report("compile", 1, 1)

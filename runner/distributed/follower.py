@@ -100,7 +100,10 @@ def follow(channel: Channel, model: Model) -> None:
         if command.caches and command.caches not in sets:  # 0: a command naming no set
             caches = sets[command.caches] = model.make_caches()
         try:
-            apply(channel, model, caches, kept, command)
+            if command.op is Op.FORWARD_ROWS:
+                forward_rows(channel, model, sets, command)
+            else:
+                apply(channel, model, caches, kept, command)
         except (KeyError, ValueError) as exc:
             raise OutOfStep(f"{command}: {exc}") from exc
 
@@ -179,4 +182,24 @@ def forward(channel: Channel, model: Model, caches: list, command: Command) -> N
     rows = channel.recv_rows(command.rows, DTYPES[command.dtype])
     out = model.hidden(rows, caches, prenorm=True)
     mx.eval(out, [c.state for c in caches])
+    channel.send_rows(out)
+
+
+def forward_rows(channel: Channel, model: Model, sets: dict[int, list], command: Command) -> None:
+    """A shared forward: one row for each set the table names (created on first use), each
+    checked against its own offset, through this rank's layers and handed on."""
+    numbers, offsets = channel.recv_table((2, command.rows))
+    channel.send_table([numbers, offsets])
+    caches = []
+    for number, offset in zip(numbers, offsets, strict=True):
+        if number not in sets:
+            sets[number] = model.make_caches()
+        if sets[number][0].offset != offset:
+            raise OutOfStep(
+                f"caches {number} rest at {sets[number][0].offset}, rank 0 feeds at {offset}"
+            )
+        caches.append(sets[number])
+    rows = channel.recv_rows(command.rows, DTYPES[command.dtype])
+    out, _ = model.layer_rows(rows, caches)
+    mx.eval(out, [c.state for row in caches for c in row])
     channel.send_rows(out)

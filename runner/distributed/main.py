@@ -75,8 +75,6 @@ def refusal(args: argparse.Namespace, given: dict) -> str | None:
         if name in given:
             option = "--" + name.replace("_", "-")
             return f"{option}: {what} is not served across ranks yet ({flag})"
-    if given.get("parallel", 1) > 1:
-        return f"--parallel {args.parallel}: one completion at a time across ranks for now ({flag})"
     if args.model is None:
         return f"{flag} needs --model (a Hugging Face directory: the llama family or qwen3_moe)"
     if args.ranks and "MLX_RANK" in os.environ:

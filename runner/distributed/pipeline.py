@@ -9,7 +9,9 @@ Its caches are its own layers' caches followed by one ``RemoteCaches``
 0 mirrors and whose rewinds, resets, snapshots and restores are commands to those ranks.
 Every exchange is synchronous and bounded by the watchdog; the pipelined decoder's overlap
 of host work with the forward is lost across ranks for now. A speculative verify is one
-multi-row forward like a prefill chunk, and its rejected rows one rewind. A draft head that
+multi-row forward like a prefill chunk, and its rejected rows one rewind. A shared forward
+(``hidden_rows``) is one exchange too: a row per sequence, each after its own set of the
+other ranks' caches (``Link.forward_rows``). A draft head that
 fuses residual streams (``use_draft_features``) is served where every stream it reads is
 one of rank 0's layers: rank 0 keeps them and joins them to the final rows that come back;
 a stream held by another rank is refused by name (it would cross the link every forward).
@@ -33,6 +35,7 @@ class PipelineModel(Model):
 
     takes_layer_hook = False  # a chunk runs whole: the other ranks' layers are one exchange
     link: Link | None = None
+    later_refusal: str | None = None  # why the other ranks' layers cannot share forwards
 
     def make_caches(self) -> list:
         return [*super().make_caches(), self.link.new_set()]
@@ -75,10 +78,19 @@ class PipelineModel(Model):
         return rows if prenorm else self.model.norm(rows)
 
     def rows_refusal(self) -> str | None:
-        return "the model is split across ranks"
+        """Shared forwards as one process serves them, where the other ranks' layers can be
+        batched too (``later_refusal``, set when the ranks are linked)."""
+        return super().rows_refusal() or self.later_refusal
 
     def hidden_rows(self, tokens: mx.array, caches: list) -> mx.array:
-        raise NotImplementedError("shared forwards are not served across ranks yet")
+        """A shared forward (``Model.hidden_rows``): rank 0's layers over one row per
+        sequence, then the other ranks' in one exchange, each row after its own set."""
+        if tokens.shape[0] != len(caches):
+            raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists")
+        own = [c[:-1] for c in caches]
+        rows, streams = self.layer_rows(self.embed(tokens.reshape(1, -1)), own)
+        rows = self.link.forward_rows(rows, [c[-1] for c in caches])
+        return self.draft_rows(rows, streams)[0]
 
 
 @functools.cache

@@ -237,6 +237,26 @@ class Link:
         caches.offset += count
         return back
 
+    def forward_rows(self, rows: mx.array, caches: list[RemoteCaches]) -> mx.array:
+        """A shared forward's rows ``[1, R, D]`` through the other ranks' layers, row i after
+        ``caches[i]`` (each a set of its own): the last rank's output rows."""
+        count = rows.shape[1]
+        if count != len(caches) or len({c.number for c in caches}) != count:
+            raise ValueError(f"{count} rows for the sets {[c.number for c in caches]}")
+        table = [[c.number for c in caches], [c.offset for c in caches]]
+        command = Command(Op.FORWARD_ROWS, rows=count, dtype=DTYPES.index(rows.dtype))
+        mx.eval(rows)  # rank 0's own layers first, as for ``forward``
+        for c in caches:
+            c.wrote(c.offset, c.offset + 1)
+        with self.watchdog.exchange("a shared forward"):
+            self.channel.send_command(command)
+            self.channel.send_table(table)
+            self.channel.send_rows(rows)
+            back = self.channel.recv_rows(count, rows.dtype)
+        for c in caches:
+            c.offset += 1
+        return back
+
     def command(self, command: Command) -> None:
         with self.watchdog.exchange(command.op.name.lower()):
             self.channel.send_command(command)

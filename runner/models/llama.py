@@ -523,10 +523,20 @@ class Model(nn.Module):
         for one row after ``caches[i]`` wherever the products' arithmetic does not depend on
         the row count (``runner.native``'s panel product, which the CPU layout uses): the
         RoPE tables, norms and attention are per row."""
-        rows = tokens.shape[0]
+        if tokens.shape[0] != len(caches):
+            raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists")
+        x, streams = self.layer_rows(self.embed(tokens.reshape(1, -1)), caches)
+        return self.draft_rows(x, streams)[0]
+
+    def layer_rows(
+        self, x: mx.array, caches: list[list[KVCache]]
+    ) -> tuple[mx.array, list[mx.array]]:
+        """:meth:`hidden_rows`' layers: rows ``x`` ``[1, R, D]``, row i after ``caches[i]``;
+        the last layer's output rows (before the final norm) and the draft streams. A split
+        model's later ranks run their own layers on the rows they are handed."""
+        rows = x.shape[1]
         if rows != len(caches):
             raise ValueError(f"{rows} rows for {len(caches)} cache lists")
-        x = self.embed(tokens.reshape(1, rows))
         positions = [c[0].offset for c in caches]
         tables: dict[str, RopeTables] = {}
         wanted = self.draft_stream_layers
@@ -551,7 +561,7 @@ class Model(nn.Module):
             mx.async_eval(x)
             if index in wanted:
                 streams.append(x)
-        return self.draft_rows(x, streams)[0]
+        return x, streams
 
     def unembed(self, hidden: mx.array) -> mx.array:
         """Project post-norm hidden rows to vocabulary logits (rows carrying a fused head's
