@@ -32,7 +32,7 @@ from drafting.mlx_ops import MlxRoundOps
 from drafting.rounds import RoundDriver
 from drafting.session import DraftSession
 from drafting.stats import SpecStats
-from drafting.suffix import SuffixDrafter, SuffixModel
+from drafting.suffix import RECENT_TOKENS, SuffixDrafter, SuffixModel
 
 log = logging.getLogger("mtp_runner.speculation")
 
@@ -57,6 +57,7 @@ class Speculation:
         forced_drafts: bool = True,
         suffix: bool = True,
         assistant: Any = None,
+        recent_tokens: int = RECENT_TOKENS,
     ) -> None:
         self.head = head
         # A drafter over the target's own caches instead of a head (``session()`` gives a
@@ -68,7 +69,7 @@ class Speculation:
         self.request_head = request_head
         self.forced_drafts = forced_drafts
         # Drafting from the text already seen (drafting.suffix); None: the head alone.
-        self.suffix = SuffixModel() if suffix else None
+        self.suffix = SuffixModel(recent_tokens) if suffix else None
 
     @property
     def sources(self) -> list[str]:
@@ -107,11 +108,18 @@ class RequestSpeculation:
         self.final: int | None = None  # the token after the last fed one, once known
         # For prefill and the plain decoder: the head sees every committed forward.
         self.on_commit = guarded(draft, "committed") if draft is not None else None
+        self.ledger: Ledger | None = None  # the decode loop's, once it asked for a drafter
+        self.prompt: Sequence[int] = ()
 
     def __enter__(self) -> RequestSpeculation:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
+        suffix = self.owner.suffix
+        if suffix is not None and self.ledger is not None:
+            # What the request generated drafts for later requests (drafting.suffix), however
+            # it ended: the committed tokens are the model's own output either way.
+            suffix.recent.add(self.ledger.committed, self.prompt)
         if self.draft is None:
             return
         if kind is not None:
@@ -154,6 +162,7 @@ class RequestSpeculation:
         follows every token the rounds feed. ``prompt``: the request's prompt tokens, which
         with the ledger's committed tokens are the text the suffix drafter looks in."""
         owner = self.owner
+        self.ledger, self.prompt = ledger, prompt
         fixed = owner.fixed_depth
         if fixed is not None:
             depth = FixedDepth(fixed if speculate else 0)

@@ -21,6 +21,16 @@ draft stops there. Appending a token is one map update; a lookup costs at most
 pair, about 150-250 bytes per token of distinct text; past ``MAX_INDEXED`` tokens the index
 restarts from the newest half, so it stays under ~30 MB per request.
 
+**Recent outputs** (``RecentOutputs``, one per loaded model). The generated tokens of the
+model's last requests (each after its prompt's last ``RECENT_PROMPT`` tokens), the oldest
+out past ``RECENT_TOKENS`` in all, in one ``SuffixIndex`` with a separator between outputs
+(no match or draft crosses one), so an agent loop that asks for a file again, or a client
+that retries a request, drafts from the earlier answer even when the new prompt does not
+hold it. Both indexes are asked; the recent outputs' draft is taken where it is expected to
+commit more (the acceptance model below, by match and draft length). Drafts are verified as
+any other, so the output never depends on what other requests wrote, only how many forwards
+it takes.
+
 **Model** (``SuffixModel``, one per loaded model, across requests). Acceptance per
 match-length bucket (``BUCKETS``): the first draft's rate and the rate of each further draft
 given the one before, EWMAs (bias-corrected at first) from optimistic-enough priors that a
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +53,12 @@ from drafting.depth import MAX_DRAFT_DEPTH as MAX_DRAFT  # the verify paths' cei
 CANDIDATES = 8  # newest positions kept per token pair
 MAX_MATCH = 64  # longest match looked for, in tokens
 MAX_INDEXED = 1 << 17  # tokens indexed per request before restarting from the newest half
+# Tokens of recent outputs indexed across requests (``RecentOutputs``; ~150-250 bytes each),
+# and the shortest output worth indexing.
+RECENT_TOKENS = 1 << 16
+RECENT_MIN = 8
+RECENT_PROMPT = 16  # prompt tokens indexed before each output: a retried request drafts at once
+SEPARATOR = -1  # between two outputs in the recent index: no token id equals it
 # The draft lengths the rate chooses among: a few verify shapes (each row count is a shape the
 # compiled blocks trace and the allocator caches buffers for), dense where drafts are short.
 LENGTHS = (1, 2, 3, 4, 6, 8, 11, 15)
@@ -124,31 +141,71 @@ class SuffixIndex:
         n = len(seq) if n is None else n
         if n < 2 or limit < 1:
             return [], 0
-        places = self._after.get((seq[n - 1] << 32) | current)
-        if not places:
+        # seq[:n] + [current]: candidate p continues at seq[p]; its pair is seq[p-2], seq[p-1].
+        matches = self._matches(seq[n - 1], current, lambda i: seq[n - i], n, n)
+        if not matches:
             return [], 0
-        # seq + [current]: candidate p continues at seq[p]; its pair is seq[p-2], seq[p-1].
-        best, best_match, matches = -1, 0, []
-        for p in places:
-            if p > n:
+        return self._best(matches, lambda p, k: self._continuation(p, current, k, n), limit)
+
+    def lookup_context(self, context: Sequence[int], limit: int) -> tuple[list[int], int]:
+        """The continuation, in this index's text, of the longest match of the last tokens of
+        another text (``context``, its last token the one about to be fed), stopping at a
+        ``SEPARATOR``; ``([], 0)`` when there is none."""
+        if len(context) < 2 or limit < 1:
+            return [], 0
+        matches = self._matches(
+            context[-2], context[-1], lambda i: context[-1 - i], len(context) - 1, len(self.tokens)
+        )
+        if not matches:
+            return [], 0
+        return self._best(matches, self._separated, limit)
+
+    def _matches(
+        self, before: int, current: int, back: Callable[[int], int], depth: int, end: int
+    ) -> list[tuple[int, int]]:
+        """``(match, p)`` for each candidate p (at most ``end``) following the pair
+        ``(before, current)``: how many tokens match backwards from it, ``back(i)`` being the
+        text's i-th token before ``current`` (i <= ``depth``)."""
+        seq, out = self.tokens, []
+        for p in self._after.get((before << 32) | current, ()):
+            if p > end:
                 continue
             match = 2
-            while match < MAX_MATCH and p - 1 - match >= 0 and seq[p - 1 - match] == seq[n - match]:
+            while (
+                match < MAX_MATCH
+                and match <= depth
+                and p - 1 - match >= 0
+                and seq[p - 1 - match] == back(match)
+            ):
                 match += 1
-            matches.append((match, p))
-            if match > best_match or (match == best_match and p > best):
-                best, best_match = p, match
-        if best < 0:
-            return [], 0
-        draft = self._continuation(best, current, limit, n)
-        for match, p in matches:  # a rival as long as the best one: draft what they share
-            if match == best_match and p != best and p <= n:
-                other = self._continuation(p, current, len(draft), n)
+            out.append((match, p))
+        return out
+
+    @staticmethod
+    def _best(
+        matches: list[tuple[int, int]], continuation: Callable[[int, int], list[int]], limit: int
+    ) -> tuple[list[int], int]:
+        """The longest match's continuation (the newest on ties), cut where another match as
+        long continues differently (draft what they share)."""
+        best_match, best = max(matches)
+        draft = continuation(best, limit)
+        for match, p in matches:
+            if match == best_match and p != best:
+                other = continuation(p, len(draft))
                 same = 0
                 while same < len(other) and other[same] == draft[same]:
                     same += 1
                 draft = draft[: max(same, 1)]
         return draft, best_match
+
+    def _separated(self, p: int, limit: int) -> list[int]:
+        """Up to ``limit`` tokens from position p, stopping at a ``SEPARATOR``."""
+        out = []
+        for token in self.tokens[p : p + limit]:
+            if token == SEPARATOR:
+                break
+            out.append(token)
+        return out
 
     def _continuation(self, p: int, current: int, limit: int, n: int) -> list[int]:
         """Up to ``limit`` tokens from position p of seq[:n] + [current], repeating the
@@ -167,6 +224,46 @@ class SuffixIndex:
         return out
 
 
+class RecentOutputs:
+    """The recent outputs' index (module docstring); ``limit`` tokens at most (0: off).
+    Thread-safe: requests end and draft on the decode thread, ``status`` reads the size."""
+
+    def __init__(self, limit: int = RECENT_TOKENS) -> None:
+        self.limit = max(int(limit), 0)
+        self._lock = threading.Lock()
+        self._outputs: deque[list[int]] = deque()
+        self.tokens = 0
+        self.index = SuffixIndex()
+
+    def add(self, tokens: Sequence[int], prompt: Sequence[int] = ()) -> None:
+        """Index one request's generated tokens after the last ``RECENT_PROMPT`` of its
+        ``prompt`` (the newest ``limit`` tokens of the two). Past ``limit`` in all the oldest
+        outputs go until at most half of it is left and the index is rebuilt: one rebuild
+        per ``limit / 2`` tokens indexed, not one per request."""
+        if len(tokens) < RECENT_MIN or not self.limit:
+            return
+        text = [*prompt[-RECENT_PROMPT:], *tokens]
+        output = [int(t) for t in text[-self.limit :]]
+        with self._lock:
+            self._outputs.append(output)
+            self.tokens += len(output)
+            if self.tokens <= self.limit:
+                self.index.extend([SEPARATOR, *output])
+                return
+            while self.tokens > self.limit // 2 and len(self._outputs) > 1:
+                self.tokens -= len(self._outputs.popleft())
+            index = SuffixIndex()
+            for kept in self._outputs:
+                index.extend([SEPARATOR, *kept])
+            self.index = index
+
+    def lookup(self, context: Sequence[int], limit: int) -> tuple[list[int], int]:
+        """The continuation of ``context``'s last tokens in a recent output (its match
+        length), or ``([], 0)``."""
+        with self._lock:
+            return self.index.lookup_context(context, limit)
+
+
 @dataclass(frozen=True)
 class SuffixDraft:
     """A draft from the index: its tokens and the bucket of the match they follow."""
@@ -179,8 +276,9 @@ class SuffixModel:
     """Acceptance per bucket and verify-row costs, shared by a model's requests (module
     docstring). Thread-safe: ``status`` reads it from other threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, recent_tokens: int = RECENT_TOKENS) -> None:
         self._lock = threading.Lock()
+        self.recent = RecentOutputs(recent_tokens)
         self._first = list(FIRST_PRIOR)
         self._next = [NEXT_PRIOR] * len(BUCKETS)
         self._first_seen = [0] * len(BUCKETS)
@@ -288,6 +386,7 @@ class SuffixModel:
                 "rounds": list(self._first_seen),
                 "cost_line": [round(v, 3) for v in self.cost_line()],
                 "rounds_timed": self._rounds_timed,
+                "recent_tokens": self.recent.tokens,
             }
 
 
@@ -334,6 +433,7 @@ class SuffixDrafter:
         if n < 3:
             return False
         tokens, match = index.lookup(index.tokens[-1], MAX_DRAFT + 1, n=n - 1)
+        tokens, match = self._longer(tokens, match, index.tokens[-MAX_MATCH:], MAX_DRAFT + 1)
         if len(tokens) < 2:
             return False
         if self.fixed is not None:
@@ -347,8 +447,12 @@ class SuffixDrafter:
         ``(None, 1.0)`` when the index has none worth its rows. ``indexed``: ``current`` is
         the index's last token already (the prompt's last, in a warm round)."""
         self.sync()
-        n = len(self.index.tokens) - 1 if indexed else None
+        seq = self.index.tokens
+        n = len(seq) - 1 if indexed else len(seq)
         tokens, match = self.index.lookup(current, limit, n=n)
+        tokens, match = self._longer(
+            tokens, match, [*seq[max(n - MAX_MATCH, 0) : n], current], limit
+        )
         if not tokens:
             return None, 1.0
         bucket = bucket_of(match)
@@ -359,6 +463,22 @@ class SuffixDrafter:
         if k == 0:
             return None, 1.0
         return SuffixDraft(tokens[:k], bucket), rate
+
+    def _longer(
+        self, tokens: list[int], match: int, context: list[int], limit: int
+    ) -> tuple[list[int], int]:
+        """The request's own draft, or the recent outputs' where it is expected to commit
+        more (a longer match, but not a draft cut short by the end of an output)."""
+        other, other_match = self.model.recent.lookup(context, limit)
+        if not other:
+            return tokens, match
+        if tokens:
+            expected = self.model.expected
+            if expected(bucket_of(other_match), len(other)) <= expected(
+                bucket_of(match), len(tokens)
+            ):
+                return tokens, match
+        return other, other_match
 
     # -- the round clock ---------------------------------------------------------------------
 

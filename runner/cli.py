@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import protocol
 from drafting.depth import MAX_DRAFT_DEPTH
+from drafting.suffix import RECENT_TOKENS
 from runner import __version__
 from runner.faults import Faults
 
@@ -119,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         "already seen in the prompt and the answer) (default: head,suffix)",
     )
     count = functools.partial(p.add_argument, metavar="N")  # an integer option
+    count(
+        "--recent-outputs",
+        type=non_negative_int,
+        default=RECENT_TOKENS,
+        help="tokens of earlier requests' outputs the suffix drafter also drafts from, oldest "
+        f"out ({RECENT_TOKENS}; 0: only the request's own text)",
+    )
     count(
         "--max-draft",
         type=draft_depth,
@@ -311,6 +319,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         max_draft=args.max_draft,
         draft_depth=args.draft_depth,
         draft_sources=args.draft_sources,
+        recent_outputs=args.recent_outputs,
         cache_bytes=args.cache_bytes,
         prefix_cache=not args.no_prefix_cache,
         cache_dir=args.cache_dir,

@@ -27,6 +27,7 @@ from cache.kv import KVCache
 from cache.kv_quantized import quantize_caches
 from cache.session import PrefixCache
 from drafting.speculation import Speculation
+from drafting.suffix import RECENT_TOKENS
 from runner import blas, device
 from runner.batch import Scheduler
 from runner.cache_slot import CacheSlot
@@ -74,6 +75,7 @@ class EngineOptions:
     draft_depth: int | None = None  # a fixed depth (benchmarks, tests); None = adaptive
     # The drafters: "head" (the MTP head) and "suffix" (drafting.suffix: text already seen).
     draft_sources: tuple[str, ...] = ("head", "suffix")
+    recent_outputs: int = RECENT_TOKENS  # earlier outputs the suffix drafter drafts from
     cache_bytes: int | None = None  # None: default_cache_bytes()
     prefix_cache: bool = True
     cache_dir: str | None = None  # the prefix cache's disk tier (cache.disk); None: off
@@ -175,6 +177,7 @@ class Engine:
                 request_head=options.faults.request_head(),
                 suffix=suffix,
                 assistant=self.assistant,
+                recent_tokens=options.recent_outputs,
             )
         log.info("device tuning: %s", self.tuning.describe())
         self.parallel, self.parallel_detail = self._parallel(options.parallel)

@@ -30,6 +30,7 @@ from tests.conformance.harness import RunnerProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOE = os.path.join(ROOT, "tests", "fixtures", "reference", "moe")
+HYBRID = os.path.join(ROOT, "tests", "fixtures", "reference", "hybrid")
 LAYERS = 4
 LONG_PROMPT = " ".join(
     ["The quick brown fox jumps over the lazy dog; the capital of France is Paris."] * 6
@@ -191,6 +192,19 @@ def test_stages_in_turn_compute_the_whole_models_bits(checkpoint_factory, model_
 def test_moe_stages_in_turn_compute_the_whole_models_bits(case, size):
     # Three layers, the middle one dense: each stage keeps its layers' own kind.
     _check_stages(os.path.join(MOE, case), size)
+
+
+@pytest.mark.parametrize("case", ["qwen3_5_text", "qwen3_5_mlx", "qwen3_next_dense"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_hybrid_stages_in_turn_compute_the_whole_models_bits(case, size):
+    # Gated DeltaNet layers then one attention layer: each stage keeps its layers' own kind,
+    # and the later stages take the rows as their input.
+    path = os.path.join(HYBRID, case)
+    if case == "qwen3_5_mlx" and size == 3:  # the last stage would hold only attention
+        with pytest.raises(LoadError, match="only attention layers of an mlx-lm"):
+            _stages(path, size)
+        return
+    _check_stages(path, size)
 
 
 def _check_stages(path: str, size: int) -> None:

@@ -17,7 +17,7 @@ from runner.loader import load_model
 from runner.models import layers
 from tests.conformance.harness import RunnerProcess
 from tests.heads import echo_head, write_head
-from tests.test_distributed import LAYERS, MOE, ScriptedChannel, _runner, noop
+from tests.test_distributed import HYBRID, LAYERS, MOE, ScriptedChannel, _runner, noop
 from tests.test_head import random_head
 
 # Copy-heavy: the text repeats, so the suffix drafter finds earlier matches to draft from.
@@ -131,6 +131,26 @@ async def test_a_head_fusing_rank_0s_layers_is_served_across_ranks(deep_checkpoi
     options = ("--draft", head_dirs["fused"], "--draft-depth", "2")
     speculation = await _check_against_one_process(deep_checkpoint, *options)
     assert sum(s["drafted"] for s in speculation) > 0, speculation
+
+
+@pytest.mark.parametrize(
+    ("case", "options"),
+    [
+        ("qwen3_5_text", ("--draft-sources", "suffix")),
+        ("qwen3_5_text", ("--draft-sources", "suffix", "--draft-depth", "3")),
+        ("qwen3_5_vl", ("--draft-depth", "2")),  # its inline MTP head, on rank 0
+    ],
+    ids=["suffix-adaptive", "suffix-fixed", "inline-head"],
+)
+async def test_ranks_speculate_over_a_hybrid_as_one_process(case, options):
+    # Gated DeltaNet layers on every rank: a verify keeps each prefix's state there too, and
+    # a rejected draft rewinds the other ranks to a kept state (rank 0 mirrors which).
+    speculation = await _check_against_one_process(os.path.join(HYBRID, case), *options)
+    assert sum(s["drafted"] for s in speculation) > 0, speculation
+    if "--draft-depth" in options:
+        assert sum(s["drafted"] - s["accepted"] for s in speculation) > 0, speculation
+    if case == "qwen3_5_vl":
+        assert sum(s["sources"].get("head", {}).get("drafted", 0) for s in speculation) > 0
 
 
 async def test_ranks_speculate_over_a_moe_model_as_one_process(tmp_path):

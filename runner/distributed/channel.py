@@ -45,6 +45,9 @@ class Op(IntEnum):
     # A shared forward (``--parallel``): one decode row for each of several sets. An int32
     # [2, rows] table (each row's set, the offset it is fed at) follows, then the rows.
     FORWARD_ROWS = 11  # rows, dtype
+    # A hybrid's recurrent layers keep their state at positions [offset, offset + rows) when
+    # the next feed passes them (``cache.recurrent.RecurrentCache.keep``).
+    KEEP = 12  # caches, rows, offset
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ each row after its own set of the other ranks' caches; where a later rank's laye
 window they are refused as one process refuses them (one completion at a time, the log
 says why). ``runner.distributed.main`` refuses the options that ask for what is not served.
 The prefix cache is served (``runner.distributed.remote``) where every later rank's layers
-attend in full; with a sliding window there it is off, and the log says so.
+attend in full; with a sliding window or a hybrid's recurrent layers there it is off, and
+the log says so.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import mlx.core as mx
 from protocol.errors import CodedError, DraftHeadError, LoadError
 from runner.distributed import stage
 from runner.distributed.channel import DTYPES, Channel, Command, Op, RankReport, handshake
-from runner.distributed.pipeline import pipeline_class
+from runner.distributed.pipeline import PipelineModel, pipeline_class
 from runner.distributed.remote import Link
 from runner.distributed.split import LayerPlan
 from runner.distributed.watchdog import Watchdog
@@ -96,17 +97,20 @@ class PipelineEngine(Engine):
         channel = Channel(self.group, checkpoint.args.hidden_size)
         later = range(run.stop, plan.ranges[-1].stop)
         row_bytes = kv_row_bytes(checkpoint.args, later, DTYPES[dtype])
-        loaded.model.link = Link(channel, self.watchdog, row_bytes)
+        recurrent = recurrent_layers(checkpoint.args, later)
+        loaded.model.link = Link(channel, self.watchdog, row_bytes, states=bool(recurrent))
         windowed = windowed_layers(checkpoint.args, later)
         if windowed:
             loaded.model.later_refusal = "sliding-window layers are not batched across sequences"
-        if windowed and self.options.prefix_cache:
-            log.info(
-                "no prefix cache: layers %s of the other ranks slide a window (not served "
-                "across ranks yet)",
-                ", ".join(map(str, windowed)),
-            )
-            self.options = dataclasses.replace(self.options, prefix_cache=False)
+        for layers, kind in ((windowed, "slide a window"), (recurrent, "are recurrent")):
+            if layers and self.options.prefix_cache:
+                log.info(
+                    "no prefix cache: layers %s of the other ranks %s (not served across "
+                    "ranks yet)",
+                    ", ".join(map(str, layers)),
+                    kind,
+                )
+                self.options = dataclasses.replace(self.options, prefix_cache=False)
         return loaded
 
     def _handshake(self, report: RankReport) -> list[RankReport]:
@@ -165,9 +169,10 @@ class PipelineEngine(Engine):
         rows (the other ranks trace theirs at load, or on first use): its layers alone, on
         caches of their own."""
         report("compile", 0, 1)
+        own = super(PipelineModel, self.model)  # the family's model over rank 0's layers
         for rows in range(1, max(2, self.parallel) + 1):
-            caches = Model.make_caches(self.model)
-            mx.eval(Model.hidden(self.model, mx.zeros((1, rows), dtype=mx.int32), caches))
+            caches = own.make_caches()
+            mx.eval(own.hidden(mx.zeros((1, rows), dtype=mx.int32), caches))
         report("compile", 1, 1)
 
 
@@ -175,6 +180,14 @@ def kv_row_bytes(args: llama.ModelArgs, layers: range, dtype: mx.Dtype) -> int:
     """Bytes one position takes in the full caches of ``layers``: a key and a value row of
     every key-value head (what a copied-out snapshot holds a position)."""
     return len(layers) * 2 * args.num_key_value_heads * args.head_dim * dtype.size
+
+
+def recurrent_layers(args: llama.ModelArgs, layers: range) -> list[int]:
+    """Those of ``layers`` that are a hybrid's Gated DeltaNet layers (recurrent caches)."""
+    hybrid = args.extra.get("hybrid")
+    if hybrid is None:
+        return []
+    return [i for i in layers if hybrid.layer_types[i] == "linear_attention"]
 
 
 def windowed_layers(args: llama.ModelArgs, layers: range) -> list[int]:

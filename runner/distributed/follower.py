@@ -118,6 +118,9 @@ def apply(channel: Channel, model: Model, caches: list, kept: Snapshots, command
             cache.rewind(command.rows)
         if command.rows == 0:
             device.release_memory()  # a request starts over: return its buffers
+    elif op is Op.KEEP:
+        for cache in caches:
+            cache.keep(range(command.offset, command.offset + command.rows))
     elif op is Op.RESET:
         for cache in caches:
             cache.reset()

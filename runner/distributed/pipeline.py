@@ -67,7 +67,10 @@ class PipelineModel(Model):
             raise NotImplementedError("masks and layer hooks across ranks")
         *own, remote = caches
         layers = self.draft_features
-        rows, streams = self._stack(tokens, own, None, None, layers)
+        if self.serves_draft_features:
+            rows, streams = self._stack(tokens, own, None, None, layers)
+        else:  # a family with a loop of its own (the hybrids): its layers, before the norm
+            rows, streams = super().hidden(tokens, own, prenorm=True), []
         rows = self.link.forward(rows, remote)
         if layers:
             return (

@@ -18,11 +18,12 @@ without asking them. Only full-attention layers are served this way: a sliding w
 snapshot is only restorable where the window was kept, which rank 0 would have to ask about.
 
 A speculative round uses no more of the contract than plain decoding: a verify is one
-multi-row forward, its rejected rows one ``rewind`` (the REWIND command). The other ranks'
-layers are full or sliding-window attention (the split families have no recurrent layers),
-so ``BaseCache``'s defaults hold for the set as they do for a ``KVCache``: nothing to
-``keep``, every position up to the offset a rewind point, and a round's rewinds stay within
-what a sliding window keeps (``drafting.mlx_ops``).
+multi-row forward, its rejected rows one ``rewind`` (the REWIND command). Where the other
+ranks' layers are full or sliding-window attention, ``BaseCache``'s defaults hold for the
+set as they do for a ``KVCache``: nothing to ``keep``, every position up to the offset a
+rewind point, and a round's rewinds stay within what a sliding window keeps
+(``drafting.mlx_ops``). Where some are a hybrid's recurrent layers, the set is a
+``RemoteStates``, which keeps states as they do.
 
 ``Link`` is rank 0's end of the channel, through which all of these commands and the
 forwards go, each bounded by the watchdog.
@@ -158,6 +159,9 @@ class RemoteCaches(BaseCache):
     def nbytes(self) -> int:
         return 0  # held by the other ranks
 
+    def fed(self, start: int, count: int) -> None:
+        """A forward fed ``count`` rows from ``start`` (a set of full caches keeps them all)."""
+
     def wrote(self, start: int, end: int) -> None:
         """The other ranks write positions ``[start, end)``: the lazy ranges there are copied
         out first (``KVCache._protect``)."""
@@ -211,14 +215,78 @@ class RemoteCaches(BaseCache):
             snap._relive(self)
 
 
+class RemoteStates(RemoteCaches):
+    """The other ranks' caches of one set where some of their layers are recurrent (a
+    hybrid's Gated DeltaNet layers, ``cache.recurrent``): those return only to the positions
+    whose state they kept, so the set ``keeps_states`` too. Every rank's recurrent layers see
+    the same commands, so rank 0 mirrors what they keep without asking: each feed keeps the
+    state it started from and the positions ``keep`` named (``Op.KEEP``) that it passed,
+    dropping what the feed before kept; a rewind keeps the kept positions below it. The
+    prefix cache is not served over such a set (its snapshots would be the recurrent
+    states, whose pins and budget rank 0 does not mirror)."""
+
+    windowed = True
+    keeps_states = True
+
+    def __init__(self, link: Link, number: int) -> None:
+        super().__init__(link, number)
+        self._kept: set[int] = set()
+        self._wanted: set[int] = set()
+
+    def keep(self, positions) -> None:
+        wanted = sorted({int(p) for p in positions} - self._wanted)
+        runs: list[list[int]] = []
+        for p in wanted:  # one command per run of consecutive positions
+            if runs and p == runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([p, p + 1])
+        for start, end in runs:
+            self.link.command(Command(Op.KEEP, self.number, end - start, start))
+        self._wanted.update(wanted)
+
+    def fed(self, start: int, count: int) -> None:
+        end = start + count
+        self._kept = {start} | {p for p in self._wanted if start < p < end}
+        self._wanted = set()
+
+    def rewind_points(self) -> list[int]:
+        return sorted({0, self.offset, *self._kept})
+
+    def can_rewind(self, to: int) -> bool:
+        return 0 <= to <= self.offset and to in (0, self.offset, *self._kept)
+
+    def rewind(self, to: int) -> None:
+        if not self.can_rewind(to):
+            raise ValueError(
+                f"the other ranks' recurrent layers at {self.offset} hold no state at {to} "
+                f"(held: {self.rewind_points()})"
+            )
+        super().rewind(to)
+        self._kept = {p for p in self._kept if p < to}
+
+    def reset(self) -> None:
+        super().reset()
+        self._kept, self._wanted = set(), set()
+
+    def snapshot(self, start: int, end: int | None = None) -> RemoteSnapshot:
+        raise NotImplementedError("the prefix cache over the other ranks' recurrent layers")
+
+    def can_restore(self, snap: BaseSnapshot, to: int | None = None) -> bool:
+        return False
+
+
 class Link:
     """Rank 0's end of the channel: every command it sends, each within the watchdog's
     bound."""
 
-    def __init__(self, channel: Channel, watchdog: Watchdog, row_bytes: int = 0) -> None:
+    def __init__(
+        self, channel: Channel, watchdog: Watchdog, row_bytes: int = 0, states: bool = False
+    ) -> None:
         self.channel = channel
         self.watchdog = watchdog
         self.row_bytes = row_bytes  # the other ranks' cache bytes a position (the accounting)
+        self.states = states  # some of the other ranks' layers are recurrent (RemoteStates)
         self.sets = 0  # cache sets made so far (their numbers)
         self.snapshots = 0  # snapshot ids given so far
 
@@ -234,6 +302,7 @@ class Link:
             self.channel.send_command(command)
             self.channel.send_rows(rows)
             back = self.channel.recv_rows(count, rows.dtype)
+        caches.fed(caches.offset, count)
         caches.offset += count
         return back
 
@@ -254,6 +323,7 @@ class Link:
             self.channel.send_rows(rows)
             back = self.channel.recv_rows(count, rows.dtype)
         for c in caches:
+            c.fed(c.offset, 1)
             c.offset += 1
         return back
 
@@ -263,7 +333,7 @@ class Link:
 
     def new_set(self) -> RemoteCaches:
         self.sets += 1
-        return RemoteCaches(self, self.sets)
+        return (RemoteStates if self.states else RemoteCaches)(self, self.sets)
 
     def new_id(self) -> int:
         """A snapshot id no other snapshot has had (the ranks key their snapshots by it)."""

@@ -16,8 +16,8 @@ import mlx.core as mx
 
 # A decoder layer's tensors: ``model.layers.{i}.…`` (after ``runner.loader.text_name``).
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# The tensors rank 0 holds besides its layers.
-FIRST_RANK = ("model.embed_tokens.", "model.norm.", "lm_head.")
+# The tensors rank 0 holds besides its layers (an inline MTP head's too: the head drafts there).
+FIRST_RANK = ("model.embed_tokens.", "model.norm.", "lm_head.", "mtp.")
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ a tied embedding is one table for the lookup and the output product, and the las
 hands back a row of D values instead of V logits. The other ranks' stages take hidden rows
 in place of token ids (their embedding and final norm are identities).
 
-Only the llama family (llama, mistral, qwen2, qwen3) and qwen3_moe from a Hugging Face
-directory are split for now; anything else is refused by name before any weight is read.
-A MoE stage's layers keep their own kind (sparse or dense: the config's schedule is by
-global layer index).
+The llama family (llama, mistral, qwen2, qwen3), qwen3_moe and the Qwen3.5 / Qwen3-Next
+hybrids from a Hugging Face directory are split; anything else is refused by name before any
+weight is read. A stage's layers keep their own kind (a MoE model's sparse or dense MLPs, a
+hybrid's Gated DeltaNet or attention blocks: the config's schedules are by global layer
+index).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from protocol.errors import LoadError, ModelFileMissing, UnsupportedArchitecture
 from runner import device, loader, native
 from runner.distributed.split import FIRST_RANK, LAYER, LayerPlan, plan_layers, weight_sizes
 from runner.models import config as config_reader
-from runner.models import family, llama, moe, qwen3_moe
+from runner.models import family, llama, moe, qwen3_5, qwen3_moe
+from runner.models.qwen3_5_config import settings as hybrid_settings
 
 Progress = Callable[[str, int, int], None]
 # The families split across ranks: their module (``model_args`` and ``Model``).
-SPLIT = (llama, qwen3_moe)
+SPLIT = (llama, qwen3_moe, qwen3_5)
 
 
 @dataclass
@@ -119,6 +121,10 @@ def stage_args(args: llama.ModelArgs, run: range, first: bool) -> llama.ModelArg
         settings = moe.settings(args)
         sparse = settings.sparse_layers[run.start : run.stop]
         extra = {**extra, "moe": dataclasses.replace(settings, sparse_layers=sparse)}
+    if "hybrid" in extra:
+        hybrid = hybrid_settings(args)
+        kinds = hybrid.layer_types[run.start : run.stop]
+        extra = {**extra, "hybrid": dataclasses.replace(hybrid, layer_types=kinds)}
     return dataclasses.replace(
         args,
         num_hidden_layers=len(run),
@@ -199,6 +205,7 @@ def load_stage(
     if quantization is not None and config_reader.is_nested(checkpoint.config):
         quantization = quantization.renamed(loader.text_name)
     tensors = stage_tensors(checkpoint.tensors, run, first)
+    check_hybrid_layout(checkpoint, tensors)
     # Loading evaluates the kept tensors and the layout step copies them; the checkpoint's
     # own references would keep the stored copies alive, so a checkpoint loads one stage.
     checkpoint.tensors = {}
@@ -214,7 +221,7 @@ def load_stage(
         quantization=quantization,
     )
     try:
-        quantized, _ = loader._load_weights(read, checkpoint.path, keep, dtype, report)
+        quantized, extras = loader._load_weights(read, checkpoint.path, keep, dtype, report)
     except LoadError as exc:  # name the tensor as the checkpoint does, not the stage
         if exc.tensor is None:
             raise
@@ -229,7 +236,26 @@ def load_stage(
         dtype=dtype,
         quantized=quantized,
         chat_template=loader._directory_template(checkpoint.path) if first else None,
+        extra_weights=extras,  # rank 0's: an inline MTP head (``FIRST_RANK``)
     )
+
+
+def check_hybrid_layout(checkpoint: Checkpoint, tensors: Mapping[str, mx.array]) -> None:
+    """A hybrid's weights tell their layout (Hugging Face or mlx-lm's, which differ in how the
+    norm gains are stored) by the conv weights of its Gated DeltaNet layers
+    (``qwen3_5.prepare_weights``); a stage holding none of them would take the Hugging Face
+    layout whatever the checkpoint's is, so a split giving a rank only attention layers of
+    an mlx-lm checkpoint is refused (another rank count splits it otherwise)."""
+    if checkpoint.model_class is not qwen3_5.Model:
+        return
+    if any(name.endswith(qwen3_5.CONV) for name in tensors):
+        return
+    if not qwen3_5.stores_zero_centred(checkpoint.tensors):
+        raise LoadError(
+            "this split gives a rank only attention layers of an mlx-lm converted hybrid, "
+            "whose layout its conv weights tell: choose another number of ranks",
+            path=checkpoint.path,
+        )
 
 
 def tune_stage(model: llama.Model, options: StageLoad) -> device.Tuning:

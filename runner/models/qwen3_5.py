@@ -84,7 +84,7 @@ _SHIFTED = (
     ".k_norm.weight",
 )
 _FINAL_NORM = "model.norm.weight"
-_CONV = ".linear_attn.conv1d.weight"
+CONV = ".linear_attn.conv1d.weight"
 _RENAMES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
@@ -119,7 +119,7 @@ def prepare_weights(
             where[new] = sources[name]
     if vision:
         log.info("%d vision-tower tensors (%s, ...) set aside", len(vision), next(iter(vision)))
-    convs = {k: v for k, v in out.items() if k.startswith("model.") and k.endswith(_CONV)}
+    convs = {k: v for k, v in out.items() if k.startswith("model.") and k.endswith(CONV)}
     hf = {k for k, v in convs.items() if v.ndim == 3 and v.shape[1] == 1 and v.shape[2] != 1}
     if hf and len(hf) != len(convs):
         name = sorted(set(convs) - hf)[0]
@@ -454,7 +454,7 @@ def stores_zero_centred(weights: dict[str, mx.array]) -> bool:
     """Whether a checkpoint stores the zero-centred gains as trained (``w``, applied as ``1 +
     w``): a Hugging Face save, conv weights ``[C, 1, K]``. A conversion by mlx-lm or mlx-vlm
     (conv ``[C, K, 1]``) stored every gain shifted, an MTP head's it kept included."""
-    convs = [v for k, v in weights.items() if k.endswith(_CONV)]
+    convs = [v for k, v in weights.items() if k.endswith(CONV)]
     return not convs or any(v.ndim == 3 and v.shape[1] == 1 and v.shape[2] != 1 for v in convs)
 
 

@@ -12,7 +12,12 @@ Families (``--prompts`` prompts each, built here from the standard library and a
   the text, then summarise it";
 - ``multi-turn``: a function and an edit, the assistant's reply (the edit made here, by
   regex), then a second edit that the model answers;
-- ``chat``: open-ended prompts (scripts/bench/spec.py's), the control.
+- ``chat``: open-ended prompts (scripts/bench/spec.py's), the control;
+- ``retry``: chat's prompts asked again, the earlier answer in no prompt: the drafting
+  engines of this family index recent outputs (``--recent-outputs``), and each answered
+  every prompt once, untimed, before the measured run (a client retrying, an agent loop
+  asking for the same file). Every other family's engines index none, so that no arm drafts
+  from another arm's answer to the same prompt.
 
 Arms: ``plain`` (``speculative: false`` on the ``both`` engine), ``head``
 (``draft_sources=("head",)``), ``suffix`` (``("suffix",)``), ``both`` (``("head", "suffix")``),
@@ -61,6 +66,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from drafting.suffix import RECENT_TOKENS  # noqa: E402
 from scripts.bench import common as bc  # noqa: E402
 from scripts.bench.spec import PROMPTS  # noqa: E402
 
@@ -256,7 +262,9 @@ FAMILIES: dict[str, Callable[[int], list[Job]]] = {
     "quote": quote,
     "multi-turn": multi_turn,
     "chat": lambda n: [{"messages": user(p), "format": None} for p in PROMPTS[:n]],
+    "retry": lambda n: [{"messages": user(p), "format": None} for p in PROMPTS[:n]],
 }
+RETRY = "retry"  # the family whose engines index recent outputs
 
 
 # ----------------------------------------------------------------------------- running
@@ -383,6 +391,26 @@ def write(path: str, report: dict) -> None:
     print(f"wrote {path}")
 
 
+def build(model: str, arms: list[str], recent: int) -> dict:
+    """One engine per drafting arm (``plain`` runs on ``both``'s with speculation off), each
+    indexing ``recent`` tokens of recent outputs, warmed up."""
+    from runner.engine import Engine, EngineOptions
+
+    engines = {}
+    for arm in sorted({"both", *arms} - {"plain"}):
+        options = EngineOptions(model_path=model, draft_sources=SOURCES[arm], recent_outputs=recent)
+        engine = engines[arm] = Engine(options)
+        print(f"{arm}: drafts from {engine.info.draft_sources}; {engine.info.mtp_detail}")
+        if engine.info.draft_sources != SOURCES[arm]:
+            raise SystemExit(f"{arm}: the engine drafts from {engine.info.draft_sources}")
+    engines["plain"] = engines["both"]
+    for arm in arms:  # kernels, allocator, the constraint path, both sampling modes
+        for job in (code_edit(1)[0], extract(1, True)[0]):
+            for mode in MODES:
+                run_one(engines[arm], job, arm != "plain", 24, sampling_for(mode, job))
+    return engines
+
+
 def measure(
     engines: dict, arms: list[str], family: str, mode: str, i: int, job: Job, tokens: int
 ) -> tuple[list[dict], list[int]]:
@@ -450,20 +478,12 @@ def main() -> int:
             parser.error(f"unknown {unknown}; known: {list(known)}")
 
     from runner.default_model import ensure_default_model
-    from runner.engine import Engine, EngineOptions
 
     model = args.model or ensure_default_model()
-    engines = {}
-    for arm in sorted({"both", *arms} - {"plain"}):
-        engine = engines[arm] = Engine(EngineOptions(model_path=model, draft_sources=SOURCES[arm]))
-        print(f"{arm}: drafts from {engine.info.draft_sources}; {engine.info.mtp_detail}")
-        if engine.info.draft_sources != SOURCES[arm]:
-            raise SystemExit(f"{arm}: the engine drafts from {engine.info.draft_sources}")
-    engines["plain"] = engines["both"]
-    for arm in arms:  # kernels, allocator, the constraint path, both sampling modes
-        for job in (code_edit(1)[0], extract(1, True)[0]):
-            for mode in MODES:
-                run_one(engines[arm], job, arm != "plain", 24, sampling_for(mode, job))
+    sets = {False: build(model, arms, 0)}
+    if RETRY in families:
+        sets[True] = build(model, arms, RECENT_TOKENS)
+    engines = sets[False]
     print(f"tuning: {engines['both'].info.tuning}; load {os.getloadavg()}")
 
     records: list[dict] = []
@@ -473,8 +493,12 @@ def main() -> int:
     started = time.time()
     for family in families:
         jobs = FAMILIES[family](args.prompts)
+        engines = sets[family == RETRY]
         for mode in modes:
             for i, job in enumerate(jobs):
+                if family == RETRY:  # the earlier ask, untimed: its answer is indexed
+                    for arm in set(arms) - {"plain"}:
+                        run_one(engines[arm], job, False, args.tokens, sampling_for(mode, job))
                 rows, plain_ids = measure(engines, arms, family, mode, i, job, args.tokens)
                 records += rows
                 for r in (r for r in rows if not r["identical"]):
