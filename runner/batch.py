@@ -14,7 +14,8 @@ restores into it and indexes it as for a single request) and each ``step`` does 
   (``Model.hidden_rows``), and then the oldest waiting prompt prefills a few layers of its
   current chunk, for about as long as that forward took, so the streams keep about half
   their rate while it is admitted and the newcomer's first token is not held back behind
-  whole chunks.
+  whole chunks (a model split across ranks takes whole chunks, one after enough shared
+  forwards to keep the same shares on average: ``runner.prefill``).
 
 Fairness: admission is first come, first served (the server hands streams over in arrival
 order while a slot is free) and every decoding stream gets a row in every shared forward, so

@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ranks",
         type=at_least_two,
         help="split the model's layers over N processes on this machine (MLX's ring backend "
-        "on loopback); rank 0 serves the pipes. No --parallel, disk tier or --kv-bits yet",
+        "on loopback); rank 0 serves the pipes. No disk tier or --kv-bits yet",
     )
     p.add_argument(
         "--distributed",

@@ -261,6 +261,8 @@ class ChunkedPrefill:
         self.on_commit = on_commit
         self._ends = chunk_ends(position, position + len(self.pending), chunk)
         self._open: _OpenChunk | None = None
+        # Seconds of budget given and not yet spent, for a model fed whole chunks (``run``).
+        self._credit = 0.0
 
     @property
     def done(self) -> bool:
@@ -269,12 +271,22 @@ class ChunkedPrefill:
     def run(self, budget_s: float | None = None) -> bool:
         """Feed some of the prompt: all of it (``budget_s`` None), one whole chunk (``inf``),
         else layers of the current chunk until about ``budget_s`` seconds went by (at least
-        one layer; a model fed whole chunks, one chunk). True once every token is in."""
+        one layer). A model fed whole chunks (a split model: the other ranks take a chunk as
+        one exchange) runs a chunk once the budgets given since the last one add up to what
+        that one took, so the streams it interleaves with keep about the same share of time
+        on average (each chunk still holds them up while it runs). True once every token is
+        in."""
         if budget_s is not None and budget_s != float("inf"):
             if takes_layer_hook(self.model):
                 self._run_layers(budget_s)
                 return self.done
-            budget_s = float("inf")  # e.g. a split model: its other ranks take whole chunks
+            self._credit += budget_s
+            if self._credit < 0:
+                return self.done
+            started = time.perf_counter()
+            self.run(float("inf"))
+            self._credit -= time.perf_counter() - started
+            return self.done
         if self._open is not None:  # a chunk begun layer by layer: finish it first
             self._run_layers(float("inf"), whole_chunk=True)
             if budget_s is not None:

@@ -376,6 +376,29 @@ def test_models_without_a_layer_hook_are_polled_between_chunks(four_layers):
     assert {c.offset for c in caches} == {256}
 
 
+def test_a_model_without_a_layer_hook_takes_a_chunk_once_its_budgets_add_up(
+    four_layers, monkeypatch
+):
+    # Between shared forwards (a budget each) a split model's prompt runs whole chunks: one
+    # as soon as the budgets given since the last one cover what that one took.
+    now = [0.0]
+    monkeypatch.setattr(prefilling.time, "perf_counter", lambda: now[0])
+
+    class Whole:
+        def hidden(self, tokens, caches):
+            now[0] += 10.0  # each chunk takes ten seconds on the fake clock
+            return four_layers.hidden(tokens, caches)
+
+    caches = four_layers.make_caches()
+    work = prefilling.ChunkedPrefill(Whole(), caches, prompt(256, seed=3), 0, chunk=64)
+    offsets = []
+    for _ in range(8):
+        work.run(budget_s=4.0)
+        offsets.append(caches[0].offset)
+    # 4 in, 10 spent: -6; then -2 (none); 2 (a chunk): -8; -4; 0 (a chunk): -10; -6; -2; 2.
+    assert offsets == [64, 64, 128, 128, 192, 192, 192, 256]
+
+
 def test_sliding_window_caches_rewind_a_cancelled_chunk(small_tiles, monkeypatch):
     """Rotating caches (a sliding-window model, small buffer steps so the window re-lays its
     buffer inside the chunk) rewound after a cancel inside a chunk, then resumed."""

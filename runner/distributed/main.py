@@ -5,8 +5,9 @@ serves stdin and stdout exactly as one process does (``runner.server`` over a
 ``runner.distributed.engine.PipelineEngine``), with a watchdog bounding every wait for the
 others. The other ranks load their layers and follow rank 0's commands
 (``runner.distributed.follower``); they never write to stdout. Options the pipeline does
-not serve yet are refused before anything starts when given explicitly; their defaults are
-turned off and said so.
+not serve yet are refused before anything starts when given explicitly; what the split
+itself rules out (the prefix cache over a later rank's window or recurrent layers, shared
+forwards over its windows) is turned off and said in the log.
 """
 
 from __future__ import annotations
