@@ -32,7 +32,7 @@ from drafting.mlx_ops import MlxRoundOps
 from drafting.rounds import RoundDriver
 from drafting.session import DraftSession
 from drafting.stats import SpecStats
-from drafting.suffix import RECENT_TOKENS, SuffixDrafter, SuffixModel
+from drafting.suffix import SuffixDrafter, SuffixModel
 
 log = logging.getLogger("mtp_runner.speculation")
 
@@ -57,7 +57,7 @@ class Speculation:
         forced_drafts: bool = True,
         suffix: bool = True,
         assistant: Any = None,
-        recent_tokens: int = RECENT_TOKENS,
+        recent_tokens: int = 0,
     ) -> None:
         self.head = head
         # A drafter over the target's own caches instead of a head (``session()`` gives a
@@ -116,10 +116,13 @@ class RequestSpeculation:
 
     def __exit__(self, kind, error, traceback) -> None:
         suffix = self.owner.suffix
-        if suffix is not None and self.ledger is not None:
+        if suffix is not None and self.ledger is not None and suffix.recent.limit:
             # What the request generated drafts for later requests (drafting.suffix), however
             # it ended: the committed tokens are the model's own output either way.
-            suffix.recent.add(self.ledger.committed, self.prompt)
+            try:
+                suffix.recent.add(self.ledger.committed, self.prompt)
+            except Exception:  # an index for speed only: never the request's failure
+                log.exception("indexing the request's output for later drafts failed")
         if self.draft is None:
             return
         if kind is not None:

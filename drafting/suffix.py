@@ -21,15 +21,18 @@ draft stops there. Appending a token is one map update; a lookup costs at most
 pair, about 150-250 bytes per token of distinct text; past ``MAX_INDEXED`` tokens the index
 restarts from the newest half, so it stays under ~30 MB per request.
 
-**Recent outputs** (``RecentOutputs``, one per loaded model). The generated tokens of the
-model's last requests (each after its prompt's last ``RECENT_PROMPT`` tokens), the oldest
-out past ``RECENT_TOKENS`` in all, in one ``SuffixIndex`` with a separator between outputs
-(no match or draft crosses one), so an agent loop that asks for a file again, or a client
-that retries a request, drafts from the earlier answer even when the new prompt does not
-hold it. Both indexes are asked; the recent outputs' draft is taken where it is expected to
-commit more (the acceptance model below, by match and draft length). Drafts are verified as
-any other, so the output never depends on what other requests wrote, only how many forwards
-it takes.
+**Recent outputs** (``RecentOutputs``, one per loaded model, off unless asked for). The
+generated tokens of the model's last requests (each after its prompt's last
+``RECENT_PROMPT`` tokens), the oldest out past the limit, in one ``SuffixIndex`` with a
+separator between outputs (no match or draft crosses one), so an agent loop that asks for a
+file again, or a client that retries a request, drafts from the earlier answer even when the
+new prompt does not hold it. Both indexes are asked; the recent outputs' draft is taken
+where it is expected to commit more (the acceptance model below, by match and draft
+length). Drafts are verified as any other, so the tokens never depend on what other
+requests wrote, only how many forwards they take; but those counts reach every client
+(``done.speculation``, and the timing), so a client could tell that another sent the same
+prompt: a server of several users' requests should leave it off. Off by default for that
+reason.
 
 **Model** (``SuffixModel``, one per loaded model, across requests). Acceptance per
 match-length bucket (``BUCKETS``): the first draft's rate and the rate of each further draft
@@ -53,9 +56,9 @@ from drafting.depth import MAX_DRAFT_DEPTH as MAX_DRAFT  # the verify paths' cei
 CANDIDATES = 8  # newest positions kept per token pair
 MAX_MATCH = 64  # longest match looked for, in tokens
 MAX_INDEXED = 1 << 17  # tokens indexed per request before restarting from the newest half
-# Tokens of recent outputs indexed across requests (``RecentOutputs``; ~150-250 bytes each),
-# and the shortest output worth indexing.
-RECENT_TOKENS = 1 << 16
+# The most tokens of recent outputs indexed across requests (``RecentOutputs``; ~150-250
+# bytes each; a rebuild re-indexes half of them), and the shortest output worth indexing.
+RECENT_TOKENS = MAX_INDEXED // 2
 RECENT_MIN = 8
 RECENT_PROMPT = 16  # prompt tokens indexed before each output: a retried request drafts at once
 SEPARATOR = -1  # between two outputs in the recent index: no token id equals it
@@ -225,11 +228,14 @@ class SuffixIndex:
 
 
 class RecentOutputs:
-    """The recent outputs' index (module docstring); ``limit`` tokens at most (0: off).
-    Thread-safe: requests end and draft on the decode thread, ``status`` reads the size."""
+    """The recent outputs' index (module docstring); ``limit`` tokens at most (0: off; at
+    most ``RECENT_TOKENS``, so the index never restarts). Thread-safe: requests end and
+    draft on the decode thread, ``status`` reads the size."""
 
-    def __init__(self, limit: int = RECENT_TOKENS) -> None:
-        self.limit = max(int(limit), 0)
+    def __init__(self, limit: int = 0) -> None:
+        if not 0 <= limit <= RECENT_TOKENS:
+            raise ValueError(f"recent outputs: {limit} tokens, not within 0..{RECENT_TOKENS}")
+        self.limit = int(limit)
         self._lock = threading.Lock()
         self._outputs: deque[list[int]] = deque()
         self.tokens = 0
@@ -276,7 +282,7 @@ class SuffixModel:
     """Acceptance per bucket and verify-row costs, shared by a model's requests (module
     docstring). Thread-safe: ``status`` reads it from other threads."""
 
-    def __init__(self, recent_tokens: int = RECENT_TOKENS) -> None:
+    def __init__(self, recent_tokens: int = 0) -> None:
         self._lock = threading.Lock()
         self.recent = RecentOutputs(recent_tokens)
         self._first = list(FIRST_PRIOR)

@@ -71,6 +71,14 @@ def non_negative_int(text: str) -> int:
 DRAFT_SOURCES = ("head", "suffix")
 
 
+def recent_tokens(text: str) -> int:
+    """``--recent-outputs``: 0 to ``RECENT_TOKENS``."""
+    value = non_negative_int(text)
+    if value > RECENT_TOKENS:
+        raise argparse.ArgumentTypeError(f"at most {RECENT_TOKENS} tokens, not {value}")
+    return value
+
+
 def draft_sources(text: str) -> tuple[str, ...]:
     """``head,suffix``: known drafter names, at least one, each once."""
     names = tuple(n.strip() for n in text.split(",") if n.strip())
@@ -122,10 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     count = functools.partial(p.add_argument, metavar="N")  # an integer option
     count(
         "--recent-outputs",
-        type=non_negative_int,
-        default=RECENT_TOKENS,
-        help="tokens of earlier requests' outputs the suffix drafter also drafts from, oldest "
-        f"out ({RECENT_TOKENS}; 0: only the request's own text)",
+        type=recent_tokens,
+        default=0,
+        help="tokens of earlier requests' outputs the suffix drafter also drafts from, the "
+        f"oldest out (0, off: done frames would tell a client whether another sent the same "
+        f"prompt; at most {RECENT_TOKENS})",
     )
     count(
         "--max-draft",

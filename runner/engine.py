@@ -27,7 +27,6 @@ from cache.kv import KVCache
 from cache.kv_quantized import quantize_caches
 from cache.session import PrefixCache
 from drafting.speculation import Speculation
-from drafting.suffix import RECENT_TOKENS
 from runner import blas, device
 from runner.batch import Scheduler
 from runner.cache_slot import CacheSlot
@@ -75,7 +74,7 @@ class EngineOptions:
     draft_depth: int | None = None  # a fixed depth (benchmarks, tests); None = adaptive
     # The drafters: "head" (the MTP head) and "suffix" (drafting.suffix: text already seen).
     draft_sources: tuple[str, ...] = ("head", "suffix")
-    recent_outputs: int = RECENT_TOKENS  # earlier outputs the suffix drafter drafts from
+    recent_outputs: int = 0  # earlier outputs' tokens the suffix drafter drafts from (0: off)
     cache_bytes: int | None = None  # None: default_cache_bytes()
     prefix_cache: bool = True
     cache_dir: str | None = None  # the prefix cache's disk tier (cache.disk); None: off

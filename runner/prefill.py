@@ -282,21 +282,28 @@ class ChunkedPrefill:
                 return self.done
             self._credit += budget_s
             if self._credit < 0:
+                if self.cancelled():  # no chunk this time: the cancel is seen all the same
+                    raise Cancelled(self.position)
                 return self.done
             started = time.perf_counter()
-            self.run(float("inf"))
+            self._chunks(one=True)
             self._credit -= time.perf_counter() - started
             return self.done
+        self._credit = 0.0  # at full speed: no debt carried into later shared forwards
+        self._chunks(one=budget_s is not None)
+        return self.done
+
+    def _chunks(self, one: bool) -> None:
+        """Whole chunks: ``one``, or every one left."""
         if self._open is not None:  # a chunk begun layer by layer: finish it first
             self._run_layers(float("inf"), whole_chunk=True)
-            if budget_s is not None:
-                return self.done
+            if one:
+                return
         with _buffer_cache(PREFILL_BUFFER_CACHE):
             while self.pending:
                 self._whole_chunk()
-                if budget_s is not None:
+                if one:
                     break
-        return self.done
 
     def rewind(self) -> None:
         """Drop the chunk begun layer by layer: the layers run so far appended it."""

@@ -53,9 +53,6 @@ def prompt(seed: int, length: int, vocab: int = 300) -> list[int]:
 
 
 def engine_on(path: str, cache_dir: str | None, **options) -> Engine:
-    # No drafts from earlier answers: a restarted engine has none, and its first forward after
-    # the restore must have the shape the first engine's had (``same``).
-    options = {"recent_outputs": 0, **options}
     return Engine(EngineOptions(model_path=path, cache_dir=cache_dir, **options))
 
 

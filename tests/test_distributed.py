@@ -359,7 +359,12 @@ def _runner(path: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "runner", "--model", path, "--prefill-chunk", "32", *extra]
 
 
-async def _outputs(cmd: list[str], requests: list[dict] = REQUESTS) -> list[list[int]]:
+async def _outputs(
+    cmd: list[str], requests: list[dict] = REQUESTS, shared: bool = False
+) -> list[list[int]]:
+    """Each request's tokens, after a completion cancelled mid-decode. ``shared``: every
+    request sent at once, and the first two must overlap (the second streamed a token before
+    the first was done: they shared forwards)."""
     runner = await RunnerProcess.start(cmd)
     try:
         # A completion cancelled mid-decode first: its caches rest where it stopped, and the
@@ -378,17 +383,22 @@ async def _outputs(cmd: list[str], requests: list[dict] = REQUESTS) -> list[list
         assert done["done_reason"] == "cancelled"
         outputs = []
         for index, request in enumerate(requests):
-            request_id = f"r{index}"
-            await runner.send({"type": "completion", "id": request_id, **request})
-            tokens, done = await runner.completion(request_id)
-            assert done["done_reason"] == "length", done
-            outputs.append([t for frame in tokens for t in frame["tokens"]])
+            await runner.send({"type": "completion", "id": f"r{index}", **request})
+            if shared and index < len(requests) - 1:
+                continue  # all of them first
+            for pending in range(len(outputs), index + 1):
+                tokens, done = await runner.completion(f"r{pending}", 120)
+                assert done["done_reason"] == "length", done
+                outputs.append([t for frame in tokens for t in frame["tokens"]])
         # A shutdown request, not the end of stdin: mlx.launch never closes the ranks' stdin.
         await runner.send({"type": "shutdown"})
         assert await runner.wait_exit() == 0, runner.stderr_tail()
     finally:
         await runner.stop()
     assert not runner.violations, runner.violations[:3]
+    if shared:
+        order = [(f.get("id"), f["type"]) for f in runner.frames]
+        assert order.index(("r1", "token")) < order.index(("r0", "done")), order
     return outputs
 
 
@@ -422,31 +432,9 @@ async def test_ranks_split_a_moe_model_as_one_process_runs_it():
     requests = [*_longer(REQUESTS[:2]), *({**r, "prompt": prompt} for r in REQUESTS[2:])]
     expected = await _outputs(_runner(path), requests)
     assert await _outputs(_runner(path, "--ranks", "3"), requests) == expected
-    assert await _shared_outputs(_runner(path, "--ranks", "2", "--parallel", "2"), requests) == (
-        expected
+    assert (
+        await _outputs(_runner(path, "--ranks", "2", "--parallel", "2"), requests, True) == expected
     )
-
-
-async def _shared_outputs(cmd: list[str], requests: list[dict]) -> list[list[int]]:
-    """Every request sent at once; each one's tokens. Asserts the first two overlapped (the
-    second streamed a token before the first was done: they shared forwards)."""
-    runner = await RunnerProcess.start(cmd)
-    try:
-        for index, request in enumerate(requests):
-            await runner.send({"type": "completion", "id": f"r{index}", **request})
-        outputs = []
-        for index in range(len(requests)):
-            tokens, done = await runner.completion(f"r{index}", 120)
-            assert done["done_reason"] == "length", done
-            outputs.append([t for frame in tokens for t in frame["tokens"]])
-        await runner.send({"type": "shutdown"})
-        assert await runner.wait_exit() == 0, runner.stderr_tail()
-    finally:
-        await runner.stop()
-    assert not runner.violations, runner.violations[:3]
-    order = [(f.get("id"), f["type"]) for f in runner.frames]
-    assert order.index(("r1", "token")) < order.index(("r0", "done")), order
-    return outputs
 
 
 def _longer(requests: list[dict]) -> list[dict]:
@@ -459,7 +447,7 @@ async def test_ranks_share_forwards_between_requests_as_one_process_runs_each(de
     expected = await _outputs(_runner(deep_checkpoint), requests)
     for size in (2, 3):
         cmd = _runner(deep_checkpoint, "--ranks", str(size), "--parallel", "2")
-        assert await _shared_outputs(cmd, requests) == expected, size
+        assert await _outputs(cmd, requests, shared=True) == expected, size
 
 
 async def test_later_ranks_sliding_windows_keep_one_completion_at_a_time(checkpoint_factory):

@@ -107,9 +107,7 @@ def scripted_engine(path, **options):
     head = ScriptedHead(loaded.model.args.hidden_size, loaded.model.args.vocab_size)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_module, "load_draft_head", lambda loaded, path: (head, "scripted"))
-        # The script decides the head's acceptance; the same prompts run again and again, so
-        # drafts from their earlier answers (recent outputs) would take the head's rounds.
-        engine = Engine(EngineOptions(model_path=str(path), recent_outputs=0, **options))
+        engine = Engine(EngineOptions(model_path=str(path), **options))
     yield engine, head
 
 

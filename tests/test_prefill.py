@@ -389,14 +389,20 @@ def test_a_model_without_a_layer_hook_takes_a_chunk_once_its_budgets_add_up(
             now[0] += 10.0  # each chunk takes ten seconds on the fake clock
             return four_layers.hidden(tokens, caches)
 
-    caches = four_layers.make_caches()
-    work = prefilling.ChunkedPrefill(Whole(), caches, prompt(256, seed=3), 0, chunk=64)
+    caches, cancel = four_layers.make_caches(), [False]
+    work = prefilling.ChunkedPrefill(
+        Whole(), caches, prompt(320, seed=3), 0, chunk=64, cancelled=lambda: cancel[0]
+    )
     offsets = []
     for _ in range(8):
         work.run(budget_s=4.0)
         offsets.append(caches[0].offset)
     # 4 in, 10 spent: -6; then -2 (none); 2 (a chunk): -8; -4; 0 (a chunk): -10; -6; -2; 2.
     assert offsets == [64, 64, 128, 128, 192, 192, 192, 256]
+    cancel[0] = True  # a step without a chunk (-4) still sees the cancel
+    with pytest.raises(Cancelled) as raised:
+        work.run(budget_s=4.0)
+    assert raised.value.args == (256,) and caches[0].offset == 256
 
 
 def test_sliding_window_caches_rewind_a_cancelled_chunk(small_tiles, monkeypatch):

@@ -59,15 +59,19 @@ def brute_force(seq: list[int], current: int, limit: int) -> tuple[list[int], in
             out.append(full[p + i] if p + i <= n else out[i - (n + 1 - p)])
         return out
 
-    scored = [(match(p), p) for p in places]
+    return longest_match([(match(p), p) for p in places], continuation, limit)
+
+
+def longest_match(scored: list[tuple[int, int]], continuation, limit: int) -> tuple[list[int], int]:
+    """The draft of the longest ``(match, position)`` (the newest on ties), cut where an
+    equally long rival's ``continuation(position, count)`` differs."""
     best_match, best = max(scored)
     draft = continuation(best, limit)
     for m, p in scored:
         if m == best_match and p != best:
             other = continuation(p, len(draft))
-            same = next(
-                (i for i, (a, b) in enumerate(zip(other, draft, strict=True)) if a != b), len(draft)
-            )
+            pairs = enumerate(zip(other, draft[: len(other)], strict=True))
+            same = next((i for i, (a, b) in pairs if a != b), len(other))
             draft = draft[: max(same, 1)]
     return draft, best_match
 

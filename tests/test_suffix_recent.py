@@ -15,14 +15,17 @@ from drafting.suffix import (
     MAX_MATCH,
     RECENT_MIN,
     RECENT_PROMPT,
+    RECENT_TOKENS,
     SEPARATOR,
     RecentOutputs,
     SuffixDrafter,
     SuffixIndex,
     SuffixModel,
 )
+from runner.cli import build_parser
 from runner.engine import Engine, EngineOptions
 from tests.test_engine import complete
+from tests.test_suffix import longest_match
 
 
 def brute_force(text: list[int], context: list[int], limit: int) -> tuple[list[int], int]:
@@ -49,16 +52,7 @@ def brute_force(text: list[int], context: list[int], limit: int) -> tuple[list[i
             out.append(token)
         return out
 
-    scored = [(match(p), p) for p in places]
-    best_match, best = max(scored)
-    draft = continuation(best, limit)
-    for m, p in scored:
-        if m == best_match and p != best:
-            other = continuation(p, len(draft))
-            pairs = enumerate(zip(other, draft[: len(other)], strict=True))
-            same = next((i for i, (a, b) in pairs if a != b), len(other))
-            draft = draft[: max(same, 1)]
-    return draft, best_match
+    return longest_match([(match(p), p) for p in places], continuation, limit)
 
 
 @pytest.mark.parametrize("alphabet", [3, 6, 30])
@@ -115,10 +109,16 @@ def test_recent_outputs_are_bounded_and_the_oldest_go_first():
     off = RecentOutputs(0)
     off.add(outputs[0])
     assert off.tokens == 0 and off.lookup(outputs[0][:3], 4) == ([], 0)
+    # At most what one index holds without restarting; the command line says so by name.
+    with pytest.raises(ValueError, match="recent outputs"):
+        RecentOutputs(RECENT_TOKENS + 1)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--recent-outputs", str(RECENT_TOKENS + 1)])
+    assert build_parser().parse_args([]).recent_outputs == 0  # off unless asked for
 
 
 def test_the_drafter_takes_the_longer_of_its_own_and_the_recent_match():
-    model = SuffixModel()
+    model = SuffixModel(recent_tokens=1000)
     model.recent.add([50, 51, 52, 53, 54, 55, 56, 57, 58, 59])
     # The request's own text has the pair (52, 53) once, after a shorter match.
     drafter = SuffixDrafter(model, [9, 52, 53, 70, 71, 1, 2, 50, 51, 52], lambda: [], fixed=4)
