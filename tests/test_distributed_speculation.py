@@ -136,19 +136,18 @@ async def test_a_head_fusing_rank_0s_layers_is_served_across_ranks(deep_checkpoi
 @pytest.mark.parametrize(
     ("case", "options"),
     [
-        ("qwen3_5_text", ("--draft-sources", "suffix")),
         ("qwen3_5_text", ("--draft-sources", "suffix", "--draft-depth", "3")),
         ("qwen3_5_vl", ("--draft-depth", "2")),  # its inline MTP head, on rank 0
     ],
-    ids=["suffix-adaptive", "suffix-fixed", "inline-head"],
+    ids=["suffix", "inline-head"],
 )
 async def test_ranks_speculate_over_a_hybrid_as_one_process(case, options):
     # Gated DeltaNet layers on every rank: a verify keeps each prefix's state there too, and
-    # a rejected draft rewinds the other ranks to a kept state (rank 0 mirrors which).
+    # a rejected draft rewinds the other ranks to a kept state (rank 0 mirrors which). Fixed
+    # depths: whether an adaptive choice drafts depends on the machine's timings.
     speculation = await _check_against_one_process(os.path.join(HYBRID, case), *options)
     assert sum(s["drafted"] for s in speculation) > 0, speculation
-    if "--draft-depth" in options:
-        assert sum(s["drafted"] - s["accepted"] for s in speculation) > 0, speculation
+    assert sum(s["drafted"] - s["accepted"] for s in speculation) > 0, speculation
     if case == "qwen3_5_vl":
         assert sum(s["sources"].get("head", {}).get("drafted", 0) for s in speculation) > 0
 
