@@ -357,6 +357,15 @@ def _runner(path: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "runner", "--model", path, "--prefill-chunk", "32", *extra]
 
 
+async def endless(runner: RunnerProcess, request_id: str, prompt: str) -> None:
+    """Start a greedy completion with no practical end and wait for its first token."""
+    options = {"temperature": 0, "num_predict": 1_000_000}
+    await runner.send(
+        {"type": "completion", "id": request_id, "prompt": prompt, "options": options}
+    )
+    assert (await runner.reply(request_id))["type"] == "token"
+
+
 async def _outputs(
     cmd: list[str], requests: list[dict] = REQUESTS, shared: bool = False
 ) -> list[list[int]]:
@@ -367,15 +376,7 @@ async def _outputs(
     try:
         # A completion cancelled mid-decode first: its caches rest where it stopped, and the
         # next request starts them over (rank 0 commands the other ranks to).
-        await runner.send(
-            {
-                "type": "completion",
-                "id": "cancelled",
-                "prompt": "Once upon a time",
-                "options": {"temperature": 0, "num_predict": 1_000_000},
-            }
-        )
-        assert (await runner.reply("cancelled"))["type"] == "token"
+        await endless(runner, "cancelled", "Once upon a time")
         await runner.send({"type": "cancel", "id": "cancelled"})
         done = await runner.take(lambda f: f["type"] == "done" and f["id"] == "cancelled")
         assert done["done_reason"] == "cancelled"

@@ -16,7 +16,7 @@ import pytest
 from runner.cli import build_parser
 from runner.distributed import inbound
 from tests.conformance.harness import RunnerProcess
-from tests.test_distributed import LAYERS, REQUESTS, _runner
+from tests.test_distributed import LAYERS, REQUESTS, _runner, endless
 
 
 @pytest.fixture(scope="module")
@@ -158,15 +158,7 @@ async def test_a_rank_that_stops_answering_is_given_up_after_the_timeout(deep_ch
     )
     try:
         victim = _rank_pid(runner.proc.pid, 1)
-        await runner.send(
-            {
-                "type": "completion",
-                "id": "stalled",
-                "prompt": "The quick brown fox",
-                "options": {"temperature": 0, "num_predict": 1_000_000},
-            }
-        )
-        assert (await runner.reply("stalled"))["type"] == "token"
+        await endless(runner, "stalled", "The quick brown fox")
         os.kill(victim, signal.SIGSTOP)  # alive, but answers nothing: only the bound ends it
         error = await runner.take(lambda f: f["type"] == "error" and f["id"] == "stalled")
         assert "no reply from the other ranks within 1s" in error["message"]
@@ -185,15 +177,7 @@ async def test_sigterm_cancels_the_request_and_every_rank_exits(deep_checkpoint)
     runner = await RunnerProcess.start(_runner(deep_checkpoint, "--ranks", "3"))
     try:
         others = [_rank_pid(runner.proc.pid, rank) for rank in (1, 2)]
-        await runner.send(
-            {
-                "type": "completion",
-                "id": "long",
-                "prompt": "The quick brown fox",
-                "options": {"temperature": 0, "num_predict": 1_000_000},
-            }
-        )
-        assert (await runner.reply("long"))["type"] == "token"
+        await endless(runner, "long", "The quick brown fox")
         runner.signal(signal.SIGTERM)
         done = await runner.take(lambda f: f["type"] == "done" and f["id"] == "long")
         assert done["done_reason"] == "cancelled"
