@@ -439,7 +439,8 @@ class SuffixDrafter:
         if n < 3:
             return False
         tokens, match = index.lookup(index.tokens[-1], MAX_DRAFT + 1, n=n - 1)
-        tokens, match = self._longer(tokens, match, index.tokens[-MAX_MATCH:], MAX_DRAFT + 1)
+        if self.model.recent.limit:
+            tokens, match = self._longer(tokens, match, index.tokens[-MAX_MATCH:], MAX_DRAFT + 1)
         if len(tokens) < 2:
             return False
         if self.fixed is not None:
@@ -456,9 +457,9 @@ class SuffixDrafter:
         seq = self.index.tokens
         n = len(seq) - 1 if indexed else len(seq)
         tokens, match = self.index.lookup(current, limit, n=n)
-        tokens, match = self._longer(
-            tokens, match, [*seq[max(n - MAX_MATCH, 0) : n], current], limit
-        )
+        if self.model.recent.limit:  # off by default: no context copied each round
+            context = [*seq[max(n - MAX_MATCH, 0) : n], current]
+            tokens, match = self._longer(tokens, match, context, limit)
         if not tokens:
             return None, 1.0
         bucket = bucket_of(match)
