@@ -96,6 +96,11 @@ class BaseCache(ABC):
     """The cache rewinds only to positions whose state it kept (``rewind_points``); ``keep``
     names them before a feed."""
 
+    layer_count: int = 1
+    """Layers whose caches this one stands for (the other ranks' recurrent layers of a set,
+    ``runner.distributed.remote``, are one cache to rank 0): its share of the prefix cache's
+    pin budget counts each."""
+
     layout: object | None = None
     """The position layout of the request the cache serves now (``runner.images``: a prompt
     with images), which every forward over the cache reads for its rows' RoPE positions and

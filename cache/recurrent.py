@@ -25,7 +25,7 @@ costs its state's bytes from the moment it exists.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 
@@ -39,6 +39,31 @@ _ZERO: State = (None, None)
 
 def _bytes(state: State) -> int:
     return sum(a.nbytes for a in state if a is not None)
+
+
+def make_room(
+    pins: dict[int, object | None],
+    position: int,
+    size: int,
+    budget: int | None,
+    size_of: Callable[[object], int],
+) -> tuple[list[int], bool]:
+    """Room for a copy of ``size`` for the pin at ``position`` within ``budget``: the less
+    wanted taken pins to give up, least wanted first (``pins`` are most wanted first, a taken
+    one holds its copy, ``size_of`` gives its size), and whether the copy fits once they are
+    gone (they go even when it does not: each is less wanted than the new copy)."""
+    if budget is None:
+        return [], True
+    rank = {p: i for i, p in enumerate(pins)}
+    taken = [p for p, copy in pins.items() if copy is not None]
+    used = sum(size_of(pins[p]) for p in taken)
+    evicted = []
+    for other in sorted(taken, key=lambda p: -rank[p]):
+        if used + size <= budget or rank[other] < rank[position]:
+            break
+        used -= size_of(pins[other])
+        evicted.append(other)
+    return evicted, used + size <= budget
 
 
 class RecurrentSnapshot(WindowSnapshot):
@@ -87,6 +112,7 @@ class RecurrentCache(BaseCache):
         self._wanted: set[int] = set()  # keep(): absolute positions, for the next feed only
         self._pins: dict[int, RecurrentSnapshot | None] = {}  # most wanted first
         self._pin_budget: int | None = None
+        self._pin_limit: int | None = None
 
     # ------------------------------------------------------------------ feeding
     @property
@@ -194,15 +220,19 @@ class RecurrentCache(BaseCache):
             self._pins[p] = None
 
     # ------------------------------------------------------------------ pins
-    def set_pins(self, positions: Iterable[int], budget: int | None = None) -> None:
+    def set_pins(
+        self, positions: Iterable[int], budget: int | None = None, limit: int | None = None
+    ) -> None:
         """Keep a snapshot of the state at each of ``positions`` (most wanted first) once a
-        feed passes it (one held now is taken now), within ``budget`` bytes of copies (None:
-        no limit); replaces earlier pins."""
+        feed passes it (one held now is taken now), within ``budget`` bytes of copies or
+        ``limit`` copies (None: no limit); replaces earlier pins. A count is how another
+        process that mirrors the pins (``runner.distributed.remote``) bounds them without
+        knowing this layer's state size."""
         for snap in self._pins.values():
             if snap is not None:
                 snap.close()
         self._pins = {}
-        self._pin_budget = budget
+        self._pin_budget, self._pin_limit = budget, limit
         for p in positions:
             p = int(p)
             self._pins[p] = None
@@ -213,20 +243,17 @@ class RecurrentCache(BaseCache):
     def _take_pin(self, position: int, state: State) -> None:
         """Keep ``state`` for the pin at ``position``, evicting less wanted pinned copies if
         the budget requires; a pin that does not fit is dropped."""
-        size = _bytes(state)
-        if self._pin_budget is not None:
-            rank = {p: i for i, p in enumerate(self._pins)}
-            taken = [p for p, s in self._pins.items() if s is not None]
-            used = sum(self._pins[p].nbytes for p in taken)
-            for other in sorted(taken, key=lambda p: -rank[p]):
-                if used + size <= self._pin_budget or rank[other] < rank[position]:
-                    break
-                used -= self._pins[other].nbytes
-                self._pins.pop(other).close()
-            if used + size > self._pin_budget:
-                self._pins.pop(position, None)
-                return
-        self._pins[position] = RecurrentSnapshot(position, position, state)
+        if self._pin_limit is None:
+            size, budget, size_of = _bytes(state), self._pin_budget, lambda s: s.nbytes
+        else:  # a count of copies (every state of a layer has the same size)
+            size, budget, size_of = 1, self._pin_limit, lambda s: 1
+        evicted, fits = make_room(self._pins, position, size, budget, size_of)
+        for p in evicted:
+            self._pins.pop(p).close()
+        if fits:
+            self._pins[position] = RecurrentSnapshot(position, position, state)
+        else:
+            self._pins.pop(position, None)
 
     # ------------------------------------------------------------------ memory
     @property

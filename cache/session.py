@@ -362,9 +362,9 @@ class PrefixCache:
         ]
         rest = set(points) | {n.end for n in path if cached < n.end <= matched}
         order = list(dict.fromkeys([*first, *sorted(rest - set(first), reverse=True)]))
-        share = self.budget_bytes // len(windowed)
+        share = self.budget_bytes // sum(c.layer_count for c in windowed)
         for c in windowed:
-            c.set_pins(order, budget=share)
+            c.set_pins(order, budget=share * c.layer_count)
 
     @staticmethod
     def _unpin(at: _Slot) -> None:

@@ -5,18 +5,23 @@ process does."""
 from __future__ import annotations
 
 import contextlib
+import os
+import random
 
 import mlx.core as mx
 import pytest
 
+from cache.recurrent import RecurrentCache
 from cache.session import PrefixCache
 from runner.distributed import follower, stage
 from runner.distributed.channel import Command, Op
-from runner.distributed.engine import kv_row_bytes, windowed_layers
-from runner.distributed.remote import Link
+from runner.distributed.engine import kv_row_bytes, recurrent_layers, windowed_layers
+from runner.distributed.remote import Link, RemoteStates
+from runner.models import qwen3_5
 from runner.models.llama import Model
 from tests.conformance.harness import RunnerProcess
 from tests.test_distributed import (
+    HYBRID,
     LAYERS,
     LONG_PROMPT,
     ScriptedChannel,
@@ -47,6 +52,7 @@ class LoopChannel:
         self.kept = follower.Snapshots()
         self.pending: tuple[Command, list] | None = None
         self.back: mx.array | None = None
+        self.table: list[list[int]] = []
 
     def caches(self, number: int) -> list:
         if number not in self.sets:
@@ -55,13 +61,24 @@ class LoopChannel:
 
     def send_command(self, command: Command) -> None:
         caches = self.caches(command.caches)
-        if command.op is Op.FORWARD:
-            self.pending = (command, caches)
+        if command.op is Op.FORWARD or (command.op is Op.PINS and command.rows):
+            self.pending = (command, caches)  # applied when its rows or table come
         else:
             follower.apply(self, self.model, caches, self.kept, command)
 
+    def send_table(self, table: list[list[int]]) -> None:
+        if self.pending is None:
+            return  # the rank passing a table on: the last rank passes nothing
+        (command, caches), self.pending = self.pending, None
+        self.table = table
+        follower.apply(self, self.model, caches, self.kept, command)
+
+    def recv_table(self, shape: tuple[int, int]) -> list[list[int]]:
+        assert [len(self.table), len(self.table[0])] == list(shape)
+        return self.table
+
     def send_rows(self, rows: mx.array) -> None:
-        command, caches = self.pending
+        (command, caches), self.pending = self.pending, None
         assert caches[0].offset == command.offset
         self.back = self.model.hidden(rows, caches, prenorm=True)
         mx.eval(self.back, [c.state for c in caches])
@@ -82,7 +99,7 @@ def test_the_prefix_cache_keeps_a_later_ranks_snapshots_there_by_id(deep_checkpo
     layers = range(LAYERS - len(model.layers), LAYERS)
     link = Link(channel, NoWatchdog(), kv_row_bytes(args, layers, dtype))
     remote = link.new_set()
-    prefix = PrefixCache([remote], budget_bytes=1 << 30)
+    prefix = PrefixCache(remote, budget_bytes=1 << 30)
     table = mx.random.normal((64, model.args.hidden_size), key=mx.random.key(5)).astype(dtype)
 
     def turn(prompt: list[int], generated: list[int]) -> int:
@@ -119,6 +136,131 @@ def test_the_prefix_cache_keeps_a_later_ranks_snapshots_there_by_id(deep_checkpo
     assert not channel.kept
 
 
+def _mirror(states: RemoteStates) -> tuple:
+    """What rank 0 says the other ranks' recurrent layers hold: kept positions, pins taken."""
+    return sorted(states.rewind_points()), sorted(p for p, t in states._pins.items() if t)
+
+
+def _held(cache: RecurrentCache) -> tuple:
+    return sorted(cache.rewind_points()), sorted(p for p, s in cache._pins.items() if s)
+
+
+@pytest.mark.parametrize(
+    ("budget", "roomy"), [(1 << 30, True), (15_000, False)], ids=["roomy", "one-copy"]
+)
+def test_the_prefix_cache_over_a_later_ranks_recurrent_layers_resumes_as_their_own(budget, roomy):
+    # The later stage holds Gated DeltaNet and attention layers: rank 0 drives its set as a
+    # full cache and a windowed one, mirroring what every recurrent layer keeps and pins.
+    # The same turns over the stage's own caches in this process are the reference: the
+    # same prefix hits, the same bytes counted, the same rows.
+    path = os.path.join(HYBRID, "qwen3_5_text")
+    model = _later_stage(path)
+    channel = LoopChannel(model)
+    args = stage.read_checkpoint(path, noop).args
+    dtype = mx.float32
+    later = range(
+        len(args.extra["hybrid"].layer_types) - len(model.layers),
+        len(args.extra["hybrid"].layer_types),
+    )
+    recurrent = recurrent_layers(args, later)
+    assert recurrent and len(recurrent) < len(later)
+    full = [i for i in later if i not in recurrent]
+    size = len(recurrent) * qwen3_5.state_bytes(args, dtype)
+    link = Link(channel, NoWatchdog(), kv_row_bytes(args, full, dtype), len(recurrent), size)
+    parts = link.new_set()
+    assert [p.windowed for p in parts] == [False, True]
+    own = model.make_caches()
+    remote, local = PrefixCache(parts, budget), PrefixCache(own, budget)
+    table = mx.random.normal((64, model.args.hidden_size), key=mx.random.key(7)).astype(dtype)
+
+    def turn(prompt: list[int], generated: list[int]) -> int:
+        sessions = remote.begin(prompt), local.begin(prompt)
+        assert sessions[0].cached == sessions[1].cached, prompt
+        cached = sessions[0].cached
+        fed = prompt + generated[:-1]
+        out = link.forward(table[mx.array([fed[cached:]])], parts)
+        expected = model.hidden(table[mx.array([fed[cached:]])], own, prenorm=True)
+        assert mx.allclose(out, expected, atol=1e-5).item(), prompt
+        # A verify feed of three rows, all rejected: back to the state it started from.
+        at = len(fed)
+        for caches in (parts, own):
+            for c in caches:
+                c.keep(range(at + 1, at + 3))
+        link.forward(table[mx.array([[1, 2, 3]])], parts)
+        model.hidden(table[mx.array([[1, 2, 3]])], own, prenorm=True)
+        for caches in (parts, own):
+            for c in caches:
+                c.rewind(at)
+        for cache in channel.sets[parts[0].number]:
+            if isinstance(cache, RecurrentCache):
+                assert _held(cache) == _mirror(parts[1]), prompt
+        for session in sessions:
+            session.record(generated)
+            session.close()
+        handles = {s.number for node in remote.trie.nodes() for s in node.snapshots}
+        assert handles - {0} == set(channel.kept)
+        assert remote.nbytes == channel.held_bytes() == local.nbytes == remote.trie.recount()
+        return cached
+
+    first, answer, more = list(range(1, 13)), [30, 31, 32], [40, 41, 42, 43]
+    hits = [
+        turn(first, answer),
+        turn(first + answer + more, [50, 51]),
+        turn(first[:5] + [60, 61, 62], [63]),  # a branch off the middle
+        turn(first + answer + more + [50, 52], [53]),  # back on the first branch
+        turn(first + answer + [44, 45], [46]),
+    ]
+    assert hits[0] == 0 and hits[1] > 0, hits
+    # Room for every pin: the turns back on a branch resume from the states kept there
+    # (with one copy a layer, the budget let them go).
+    assert (hits[3] > 0 and hits[4] > 0) == roomy, hits
+    remote.clear()
+    assert not channel.kept
+
+
+def test_rank_0s_mirror_of_the_recurrent_layers_follows_any_command_sequence():
+    # Random feeds, verify feeds with kept prefixes and rejections, pins under budgets,
+    # snapshots, restores, drops and resets on the states part: after each, every recurrent
+    # layer of the later rank holds what rank 0 says (a restore it could not do would stop
+    # it: ``follower.apply`` raises).
+    path = os.path.join(HYBRID, "qwen3_5_text")
+    model = _later_stage(path)
+    channel = LoopChannel(model)
+    args = stage.read_checkpoint(path, noop).args
+    size = qwen3_5.state_bytes(args, mx.float32)
+    states = Link(channel, NoWatchdog(), 0, 1, size).new_set()[1]
+    table = mx.random.normal((4, model.args.hidden_size), key=mx.random.key(2))
+    rng = random.Random(11)
+    snaps: list = []
+    for _ in range(400):
+        op = rng.choice(["feed", "verify", "verify", "pins", "snapshot", "restore", "drop"])
+        if op == "feed":
+            states.link.forward(table[: rng.randint(1, 4)][None], [states])
+        elif op == "verify":
+            at, depth = states.offset, rng.randint(1, 3)
+            states.keep(range(at + 1, at + depth + 1))
+            states.link.forward(table[: depth + 1][None], [states])
+            states.rewind(rng.choice([p for p in states.rewind_points() if p >= at]))
+        elif op == "pins":
+            wanted = rng.sample(range(1, states.offset + 8), rng.randint(0, 5))
+            states.set_pins(wanted, budget=rng.choice([None, size * rng.randint(0, 3)]))
+        elif op == "snapshot":
+            end = rng.randint(0, states.offset)
+            snaps.append(states.snapshot(max(0, end - 2), end))
+        elif op == "restore" and any(s.restorable for s in snaps):
+            states.restore(rng.choice([s for s in snaps if s.restorable]))
+        elif op == "drop" and snaps:
+            snaps.pop(rng.randrange(len(snaps))).close()
+        if rng.random() < 0.02:
+            states.reset()
+        for cache in channel.sets[states.number]:
+            if isinstance(cache, RecurrentCache):
+                assert _held(cache) == _mirror(states), op
+    for snap in snaps:
+        snap.close()
+    assert not channel.kept
+
+
 def test_the_later_ranks_sliding_layers_are_what_turns_the_prefix_cache_off(checkpoint_factory):
     path = checkpoint_factory("mistral", num_hidden_layers=LAYERS, sliding_window=6)
     args = stage.read_checkpoint(path, noop).args
@@ -134,7 +276,7 @@ def test_a_later_rank_told_of_a_snapshot_it_does_not_hold_stops(deep_checkpoint)
         follower.follow(channel, model)
 
 
-async def _chat(cmd: list[str]) -> list[tuple[list[int], int]]:
+async def _chat(cmd: list[str], text: str = LONG_PROMPT) -> list[tuple[list[int], int]]:
     """A conversation over token ids whose later turns resume from the prefix cache, a
     cancelled turn and a branch off the middle among them: each turn's ids and
     ``prompt_cached_tokens``."""
@@ -150,7 +292,7 @@ async def _chat(cmd: list[str]) -> list[tuple[list[int], int]]:
         return ids
 
     try:
-        await runner.send({"type": "tokenize", "id": "p", "text": LONG_PROMPT})
+        await runner.send({"type": "tokenize", "id": "p", "text": text})
         prompt = (await runner.reply("p"))["tokens"]
         greedy = {"options": {"temperature": 0, "num_predict": 8}}
         seeded = {"options": {"temperature": 0.8, "seed": 4, "num_predict": 8}}
@@ -187,3 +329,14 @@ async def test_ranks_resume_from_the_prefix_cache_as_one_process_does(deep_check
     speculating = await _chat(_runner(deep_checkpoint, *fixed))
     assert [ids for ids, _ in speculating] == [ids for ids, _ in expected]
     assert await _chat(_runner(deep_checkpoint, *fixed, "--ranks", "3")) == speculating
+
+
+async def test_ranks_resume_a_hybrid_from_the_prefix_cache_as_one_process_does():
+    # Gated DeltaNet layers on both ranks: the later rank's states are pinned, snapshotted
+    # and restored on rank 0's word, and speculation's rejected rows rewind them.
+    path = os.path.join(HYBRID, "qwen3_5_text")
+    options = ("--draft-sources", "suffix", "--draft-depth", "2")
+    text = LONG_PROMPT[: len(LONG_PROMPT) // 3]  # the fixture's context is short
+    expected = await _chat(_runner(path, *options), text)
+    assert sum(hit > 0 for _, hit in expected) >= 3, expected
+    assert await _chat(_runner(path, *options, "--ranks", "2"), text) == expected

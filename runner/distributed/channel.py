@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from runner.distributed import inbound
 
-HEADER = 8  # int32 words of a command header
+HEADER = 9  # int32 words of a command header
 # A report's words ahead of its message: status, layers, dtype, weight bytes, length.
 WORDS = 7
 MESSAGE = 480  # bytes of a rank's load error carried by the handshake
@@ -48,6 +48,18 @@ class Op(IntEnum):
     # A hybrid's recurrent layers keep their state at positions [offset, offset + rows) when
     # the next feed passes them (``cache.recurrent.RecurrentCache.keep``).
     KEEP = 12  # caches, rows, offset
+    # The prefix cache's pins on a hybrid's recurrent layers (``RecurrentCache.set_pins``):
+    # an int32 [1, rows] table of positions, most wanted first, follows; offset: the most
+    # copies each layer keeps (-1: no limit).
+    PINS = 13  # caches, rows, offset, part
+
+
+class Part(IntEnum):
+    """Which of a set's layers a command acts on (a hybrid's set is two caches to rank 0)."""
+
+    ALL = 0
+    FULL = 1  # the layers whose caches hold every position (attention over the whole text)
+    STATES = 2  # the windowed ones: a hybrid's recurrent layers
 
 
 @dataclass(frozen=True)
@@ -60,14 +72,15 @@ class Command:
     snap: int = 0  # a snapshot id (rank 0's numbering)
     head: int = 0  # SPLIT, MERGE: the snapshot id of the lower positions
     tail: int = 0  # SPLIT, MERGE: the snapshot id of the upper positions
+    part: Part = Part.ALL  # which of the set's layers (REWIND, RESET, SNAPSHOT, RESTORE, PINS)
 
     def words(self) -> list[int]:
         words = [int(self.op), self.caches, self.rows, self.offset, self.dtype]
-        return [*words, self.snap, self.head, self.tail]
+        return [*words, self.snap, self.head, self.tail, int(self.part)]
 
     @classmethod
     def parse(cls, words: list[int]) -> Command:
-        return cls(Op(words[0]), *words[1:HEADER])
+        return cls(Op(words[0]), *words[1 : HEADER - 1], Part(words[HEADER - 1]))
 
 
 class Channel:

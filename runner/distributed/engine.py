@@ -13,9 +13,9 @@ rank 0 lays its layers out for verify rows the other ranks are told to as well
 each row after its own set of the other ranks' caches; where a later rank's layers slide a
 window they are refused as one process refuses them (one completion at a time, the log
 says why). ``runner.distributed.main`` refuses the options that ask for what is not served.
-The prefix cache is served (``runner.distributed.remote``) where every later rank's layers
-attend in full; with a sliding window or a hybrid's recurrent layers there it is off, and
-the log says so.
+The prefix cache is served (``runner.distributed.remote``) where the later ranks' layers
+attend in full or are a hybrid's recurrent layers; with a sliding window there it is off,
+and the log says so.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -36,7 +37,7 @@ from runner.distributed.watchdog import Watchdog
 from runner.engine import Engine, EngineOptions, Progress
 from runner.heads import load_draft_head
 from runner.loader import LoadedModel
-from runner.models import llama
+from runner.models import llama, qwen3_5
 from runner.models.gemma4_assistant import is_assistant
 from runner.models.llama import Model
 
@@ -96,19 +97,20 @@ class PipelineEngine(Engine):
         self.whole_args = checkpoint.args
         channel = Channel(self.group, checkpoint.args.hidden_size)
         later = range(run.stop, plan.ranges[-1].stop)
-        row_bytes = kv_row_bytes(checkpoint.args, later, DTYPES[dtype])
         recurrent = recurrent_layers(checkpoint.args, later)
-        loaded.model.link = Link(channel, self.watchdog, row_bytes, states=bool(recurrent))
+        held = DTYPES[dtype]
+        row_bytes = kv_row_bytes(checkpoint.args, [i for i in later if i not in recurrent], held)
+        each = qwen3_5.state_bytes(checkpoint.args, held) if recurrent else 0
+        link = Link(channel, self.watchdog, row_bytes, len(recurrent), len(recurrent) * each)
+        loaded.model.link = link
         windowed = windowed_layers(checkpoint.args, later)
         if windowed:
             loaded.model.later_refusal = "sliding-window layers are not batched across sequences"
-        for layers, kind in ((windowed, "slide a window"), (recurrent, "are recurrent")):
-            if layers and self.options.prefix_cache:
+            if self.options.prefix_cache:
                 log.info(
-                    "no prefix cache: layers %s of the other ranks %s (not served across "
-                    "ranks yet)",
-                    ", ".join(map(str, layers)),
-                    kind,
+                    "no prefix cache: layers %s of the other ranks slide a window (not served "
+                    "across ranks yet)",
+                    ", ".join(map(str, windowed)),
                 )
                 self.options = dataclasses.replace(self.options, prefix_cache=False)
         return loaded
@@ -176,7 +178,7 @@ class PipelineEngine(Engine):
         report("compile", 1, 1)
 
 
-def kv_row_bytes(args: llama.ModelArgs, layers: range, dtype: mx.Dtype) -> int:
+def kv_row_bytes(args: llama.ModelArgs, layers: Sequence[int], dtype: mx.Dtype) -> int:
     """Bytes one position takes in the full caches of ``layers``: a key and a value row of
     every key-value head (what a copied-out snapshot holds a position)."""
     return len(layers) * 2 * args.num_key_value_heads * args.head_dim * dtype.size

@@ -4,7 +4,8 @@ It never reads stdin or writes a frame (``mlx.launch`` copies stdin to every ran
 their stdout, so only rank 0 may write there). Each command is passed down the chain first,
 then applied to this rank's caches of the set it names, created on first use; the prefix
 cache's snapshots of this rank's layers are kept here under the ids rank 0 gives them
-(``runner.distributed.remote``). A failure here
+(``runner.distributed.remote``); a command may name a part of the set (a hybrid's
+recurrent layers, or the others: ``Part``), which rank 0 drives as two caches. A failure here
 (a cache out of step, a lost peer) ends the process: its peers' pending operations then
 fail, and rank 0 reports the loss.
 """
@@ -20,7 +21,15 @@ from protocol.codes import LOAD_ERROR
 from protocol.errors import CodedError
 from runner import device
 from runner.distributed import stage
-from runner.distributed.channel import DTYPES, Channel, Command, Op, RankReport, handshake
+from runner.distributed.channel import (
+    DTYPES,
+    Channel,
+    Command,
+    Op,
+    Part,
+    RankReport,
+    handshake,
+)
 from runner.models import layers
 from runner.models.llama import Model
 from runner.models.native_block import NativeBlock
@@ -108,9 +117,18 @@ def follow(channel: Channel, model: Model) -> None:
             raise OutOfStep(f"{command}: {exc}") from exc
 
 
+def part_of(caches: list, part: Part) -> list:
+    """The caches of a set a command's ``part`` names."""
+    if part is Part.ALL:
+        return caches
+    return [c for c in caches if c.windowed == (part is Part.STATES)]
+
+
 def apply(channel: Channel, model: Model, caches: list, kept: Snapshots, command: Command) -> None:
     """One command on this rank's ``caches`` (the set it names) and ``kept`` snapshots."""
     op = command.op
+    if op is not Op.FORWARD:
+        caches = part_of(caches, command.part)
     if op is Op.FORWARD:
         forward(channel, model, caches, command)
     elif op is Op.REWIND:
@@ -143,6 +161,14 @@ def apply(channel: Channel, model: Model, caches: list, kept: Snapshots, command
         heads, tails = kept.take(command.head), kept.take(command.tail)
         merged = [concat_snapshots(h, t) for h, t in zip(heads, tails, strict=True)]
         kept.add(command.snap, merged)
+    elif op is Op.PINS:
+        positions = []
+        if command.rows:  # no table follows an empty list
+            (positions,) = channel.recv_table((1, command.rows))
+            channel.send_table([positions])
+        limit = None if command.offset < 0 else command.offset
+        for cache in caches:
+            cache.set_pins(positions, limit=limit)
     elif op is Op.ROW_LAYOUT:
         add_row_layout(model)
 

@@ -6,7 +6,7 @@ serves stdin and stdout exactly as one process does (``runner.server`` over a
 others. The other ranks load their layers and follow rank 0's commands
 (``runner.distributed.follower``); they never write to stdout. Options the pipeline does
 not serve yet are refused before anything starts when given explicitly; what the split
-itself rules out (the prefix cache over a later rank's window or recurrent layers, shared
+itself rules out (the prefix cache over a later rank's sliding-window layers, shared
 forwards over its windows) is turned off and said in the log.
 """
 

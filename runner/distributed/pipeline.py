@@ -4,9 +4,10 @@
 output projection; ``pipeline_class`` makes it for a family built on the llama one) whose
 ``hidden`` runs its layers, hands the rows down the ranks and takes the last rank's output
 rows back, so the engine, the prefill and the decoders use it as they use a whole model.
-Its caches are its own layers' caches followed by one ``RemoteCaches``
-(``runner.distributed.remote``): the other ranks' caches of the same set, whose offset rank
-0 mirrors and whose rewinds, resets, snapshots and restores are commands to those ranks.
+Its caches are its own layers' caches followed by the other ranks' caches of the same set
+(``runner.distributed.remote``: one ``RemoteCaches``, or that and a ``RemoteStates`` for
+their recurrent layers), whose offsets rank 0 mirrors and whose rewinds, resets, snapshots
+and restores are commands to those ranks.
 Every exchange is synchronous and bounded by the watchdog; the pipelined decoder's overlap
 of host work with the forward is lost across ranks for now. A speculative verify is one
 multi-row forward like a prefill chunk, and its rejected rows one rewind. A shared forward
@@ -38,7 +39,7 @@ class PipelineModel(Model):
     later_refusal: str | None = None  # why the other ranks' layers cannot share forwards
 
     def make_caches(self) -> list:
-        return [*super().make_caches(), self.link.new_set()]
+        return [*super().make_caches(), *self.link.new_set()]
 
     def use_draft_features(self, layers: tuple[int, ...]) -> None:
         """A fused head's streams (k: after k layers of the whole model), each after one of
@@ -65,7 +66,8 @@ class PipelineModel(Model):
     ) -> mx.array:
         if mask is not None or on_layer is not None:
             raise NotImplementedError("masks and layer hooks across ranks")
-        *own, remote = caches
+        parts = self.link.parts
+        own, remote = caches[:-parts], caches[-parts:]
         layers = self.draft_features
         if self.serves_draft_features:
             rows, streams = self._stack(tokens, own, None, None, layers)
@@ -90,9 +92,10 @@ class PipelineModel(Model):
         sequence, then the other ranks' in one exchange, each row after its own set."""
         if tokens.shape[0] != len(caches):
             raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists")
-        own = [c[:-1] for c in caches]
+        parts = self.link.parts
+        own = [c[:-parts] for c in caches]
         rows, streams = self.layer_rows(self.embed(tokens.reshape(1, -1)), own)
-        rows = self.link.forward_rows(rows, [c[-1] for c in caches])
+        rows = self.link.forward_rows(rows, [c[-parts:] for c in caches])
         return self.draft_rows(rows, streams)[0]
 
 

@@ -295,6 +295,16 @@ def _conv_taps(*operands: mx.array) -> mx.array:
 _conv_kernel = mx.compile(_conv_taps, shapeless=True)
 
 
+def state_bytes(args: ModelArgs, dtype: mx.Dtype) -> int:
+    """Bytes of one linear-attention layer's cache at any position past 0: the last
+    ``conv_kernel - 1`` rows its conv fed (q, k and v channels, in the compute ``dtype``) and
+    its float32 state ``[Hv, Dk, Dv]``."""
+    h = settings(args)
+    channels = 2 * h.key_heads * h.key_dim + h.value_heads * h.value_dim
+    state = h.value_heads * h.key_dim * h.value_dim * mx.float32.size
+    return (h.conv_kernel - 1) * channels * dtype.size + state
+
+
 class GatedDeltaNet(nn.Module):
     """One linear-attention mixer (module docstring); Hugging Face parameter names."""
 
