@@ -92,6 +92,40 @@ def prompt_positions(length: int, spans: Sequence[ImageSpan]) -> tuple[np.ndarra
     return positions, last + 1 - length
 
 
+def plain_first(rows: np.ndarray) -> int | None:
+    """The first position of ``rows`` ``[3, L]`` where they are consecutive with equal
+    channels (plain RoPE applies), else None."""
+    first = int(rows[0, 0])
+    if (rows == np.arange(first, first + rows.shape[1])).all():
+        return first
+    return None
+
+
+class PlacedRows:
+    """One forward's rows as a request's layout placed them, where only their positions are
+    known (a later rank of a split model, ``runner.distributed``: rank 0 embedded the rows
+    and sends their positions with them): what that rank's attention layers read in place of
+    the ``ImageLayout``; nothing to overlay."""
+
+    def __init__(self, start: int, positions: np.ndarray) -> None:
+        self.start = start
+        self.positions = positions  # [3, L]
+
+    def rows(self, start: int, length: int) -> np.ndarray:
+        if (start, length) != (self.start, self.positions.shape[1]):
+            raise ValueError(
+                f"rows {start}..{start + length - 1} asked of the positions of rows "
+                f"{self.start}..{self.start + self.positions.shape[1] - 1}"
+            )
+        return self.positions
+
+    def plain_start(self, start: int, length: int) -> int | None:
+        return plain_first(self.rows(start, length))
+
+    def overlay(self, embedded: mx.array, start: int, reader: str) -> mx.array:
+        return embedded
+
+
 @dataclass(eq=False)  # compared and hashed by identity (the engine's set of open layouts)
 class ImageLayout:
     """Positions and feature rows of one request's prompt (see the module docstring)."""
@@ -124,12 +158,7 @@ class ImageLayout:
         with equal channels (plain RoPE from there applies), else None."""
         if start >= self.prompt_length:
             return start + self.delta
-        rows = self.rows(start, length)
-        first = int(rows[0, 0])
-        steps = np.arange(first, first + length)
-        if (rows == steps).all():
-            return first
-        return None
+        return plain_first(self.rows(start, length))
 
     # ------------------------------------------------------------------ features
     def reads(self, reader: str) -> None:

@@ -29,6 +29,8 @@ from tests.test_distributed import (
     _runner,
     noop,
 )
+from tests.test_vision_pipe import FIXTURE as VISION
+from tests.test_vision_pipe import A as IMAGE
 
 
 @pytest.fixture(scope="module")
@@ -343,3 +345,36 @@ async def test_ranks_resume_a_hybrid_from_the_prefix_cache_as_one_process_does()
     # each keeps a set of caches on every rank, and the prefix cache serves both sets.
     ranked = _runner(path, *options, "--ranks", "2", "--parallel", "2")
     assert await _chat(ranked, text) == expected
+
+
+async def test_ranks_serve_a_prompt_with_an_image_as_one_process_does():
+    # Rank 0 holds the vision tower and embeds the image's rows; the later rank's attention
+    # layer rotates them by the 3-channel positions rank 0 sends with them. The same image
+    # again resumes from the prefix cache, and the inline MTP head drafts after it.
+    # Log-probabilities too: a few greedy tokens of a tiny model can survive wrong positions.
+    greedy = {"temperature": 0, "num_predict": 6}
+    seeded = {"temperature": 0.8, "seed": 5, "num_predict": 6}
+
+    async def serve(cmd: list[str]) -> list[tuple[list[int], list[float], int]]:
+        runner = await RunnerProcess.start(cmd)
+        outputs = []
+        try:
+            for index, options in enumerate((greedy, seeded, greedy)):
+                prompt = {"prompt": "x [img-0] y", "images": [IMAGE], "logprobs": True}
+                prompt["options"] = options
+                await runner.send({"type": "completion", "id": f"i{index}", **prompt})
+                frames, done = await runner.completion(f"i{index}")
+                tokens = [t for frame in frames for t in frame["tokens"]]
+                logprobs = [p["logprob"] for frame in frames for p in frame["logprobs"]]
+                outputs.append((tokens, logprobs, done["prompt_cached_tokens"]))
+            await runner.send({"type": "shutdown"})
+            assert await runner.wait_exit() == 0, runner.stderr_tail()
+        finally:
+            await runner.stop()
+        assert not runner.violations, runner.violations[:3]
+        return outputs
+
+    path = str(VISION)
+    expected = await serve(_runner(path, "--draft-depth", "2"))
+    assert expected[1][2] > 0 and expected[2][2] > 0, expected
+    assert await serve(_runner(path, "--draft-depth", "2", "--ranks", "2")) == expected

@@ -52,6 +52,9 @@ class Op(IntEnum):
     # an int32 [1, rows] table of positions, most wanted first, follows; offset: the most
     # copies each layer keeps (-1: no limit).
     PINS = 13  # caches, rows, offset, part
+    # A FORWARD over rows a request's images place (``runner.images``): an int32 [3, rows]
+    # table of their RoPE positions follows, then the rows.
+    FORWARD_PLACED = 14  # caches, rows, offset, dtype
 
 
 class Part(IntEnum):

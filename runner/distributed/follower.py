@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 import mlx.core as mx
+import numpy as np
 
 from cache.kv import concat_snapshots
 from protocol.codes import LOAD_ERROR
@@ -30,6 +31,7 @@ from runner.distributed.channel import (
     RankReport,
     handshake,
 )
+from runner.images import PlacedRows
 from runner.models import layers
 from runner.models.llama import Model
 from runner.models.native_block import NativeBlock
@@ -127,11 +129,11 @@ def part_of(caches: list, part: Part) -> list:
 def apply(channel: Channel, model: Model, caches: list, kept: Snapshots, command: Command) -> None:
     """One command on this rank's ``caches`` (the set it names) and ``kept`` snapshots."""
     op = command.op
-    if op is not Op.FORWARD:
-        caches = part_of(caches, command.part)
-    if op is Op.FORWARD:
+    if op in (Op.FORWARD, Op.FORWARD_PLACED):
         forward(channel, model, caches, command)
-    elif op is Op.REWIND:
+        return
+    caches = part_of(caches, command.part)
+    if op is Op.REWIND:
         for cache in caches:
             cache.rewind(command.rows)
         if command.rows == 0:
@@ -203,11 +205,19 @@ class Snapshots(dict):
 
 
 def forward(channel: Channel, model: Model, caches: list, command: Command) -> None:
-    """This rank's layers over the rows the previous rank sends, handed on."""
+    """This rank's layers over the rows the previous rank sends, handed on; placed rows (a
+    prompt with images) at the positions that come first."""
     if caches[0].offset != command.offset:
         raise OutOfStep(
             f"caches {command.caches} rest at {caches[0].offset}, rank 0 feeds at {command.offset}"
         )
+    placed = None
+    if command.op is Op.FORWARD_PLACED:
+        table = channel.recv_table((3, command.rows))
+        channel.send_table(table)
+        placed = PlacedRows(command.offset, np.array(table, dtype=np.int64))
+    for cache in caches:
+        cache.layout = placed
     rows = channel.recv_rows(command.rows, DTYPES[command.dtype])
     out = model.hidden(rows, caches, prenorm=True)
     mx.eval(out, [c.state for c in caches])

@@ -428,14 +428,17 @@ class Link:
         """The other ranks' layers over ``rows`` ``[1, L, D]`` after the caches of one set
         (its ``parts``): the last rank's output rows."""
         count = rows.shape[1]
-        at = parts[0].offset
-        command = Command(Op.FORWARD, parts[0].number, count, at, DTYPES.index(rows.dtype))
+        at, layout = parts[0].offset, parts[0].layout
+        op = Op.FORWARD if layout is None else Op.FORWARD_PLACED
+        command = Command(op, parts[0].number, count, at, DTYPES.index(rows.dtype))
         # Rank 0's own layers first: a failure there leaves the other ranks untouched, while
         # one after the header went out would leave them waiting for rows.
         mx.eval(rows)
         _write(parts, count)
         with self.watchdog.exchange("a forward"):
             self.channel.send_command(command)
+            if layout is not None:  # the rows' positions: the other ranks rotate by them
+                self.channel.send_table(layout.rows(at, count).tolist())
             self.channel.send_rows(rows)
             back = self.channel.recv_rows(count, rows.dtype)
         _feed(parts, count)

@@ -1,9 +1,9 @@
 """The layer split: which contiguous run of decoder layers each rank holds, by bytes.
 
 Rank 0 also holds what only it runs (the embedding, the final norm and the output
-projection), so its share starts with those bytes and it gets fewer layers. The split
-minimises the largest share (every rank is assumed to have the same memory), every rank
-holding at least one layer so the pipeline has no idle hop.
+projection, an inline MTP head, a vision tower), so its share starts with those bytes and
+it gets fewer layers. The split minimises the largest share (every rank is assumed to have
+the same memory), every rank holding at least one layer so the pipeline has no idle hop.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from runner.models.qwen3_5 import VISION_ROOTS
+
 # A decoder layer's tensors: ``model.layers.{i}.…`` (after ``runner.loader.text_name``).
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# The tensors rank 0 holds besides its layers (an inline MTP head's too: the head drafts there).
-FIRST_RANK = ("model.embed_tokens.", "model.norm.", "lm_head.", "mtp.")
+# The tensors rank 0 holds besides its layers: an inline MTP head's too (the head drafts
+# there), and a vision tower's (rank 0 embeds, so it encodes the images).
+FIRST_RANK = ("model.embed_tokens.", "model.norm.", "lm_head.", "mtp.", *VISION_ROOTS)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ _RENAMES = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-_VISION = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
+VISION_ROOTS = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
 
 
 def prepare_weights(
@@ -111,7 +111,7 @@ def prepare_weights(
             if name.startswith(old):
                 new = plain + name[len(old) :]
                 break
-        if new.startswith(_VISION):
+        if new.startswith(VISION_ROOTS):
             vision[name] = value
             continue
         out[new] = value
