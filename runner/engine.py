@@ -243,28 +243,8 @@ class Engine:
         return quantize_caches(self.model.make_caches(), self.kv_bits, self.options.kv_group)
 
     def _kv_bits(self) -> int | None:
-        """--kv-bits where every full-attention cache is read by the llama family's attention
-        (the one that reads packed rows); otherwise None, with a warning."""
-        bits = self.options.kv_bits
-        if not bits:
-            return None
-        from runner.models.llama import Attention
-
-        caches = self.model.make_caches()
-        readers = [getattr(layer, "self_attn", None) for layer in getattr(self.model, "layers", [])]
-        if len(readers) != len(caches) or any(
-            type(c) is KVCache and not isinstance(a, Attention)
-            for c, a in zip(caches, readers, strict=True)
-        ):
-            log.warning("--kv-bits: this model's attention reads float caches only: float KV")
-            return None
-        group = self.options.kv_group
-        if any(
-            type(c) is KVCache and a.head_dim % group for c, a in zip(caches, readers, strict=True)
-        ):
-            log.warning("--kv-bits: heads are not a multiple of --kv-group %d: float KV", group)
-            return None
-        return bits
+        """--kv-bits where the model's attention reads packed rows (``served_kv_bits``)."""
+        return served_kv_bits(self.model, self.options.kv_bits, self.options.kv_group)
 
     @property
     def chunk(self) -> int:
@@ -441,3 +421,25 @@ class Engine:
     ) -> Stream:
         """A request on ``slot``: its prefix restored, its sessions open (runner.stream)."""
         return Stream(self, req, emit, cancelled, slot, on_close)
+
+
+def served_kv_bits(model, bits: int | None, group: int) -> int | None:
+    """``bits`` where every full-attention cache of ``model`` is read by the llama family's
+    attention (the one that reads packed rows) with heads a multiple of ``group``; otherwise
+    None, with a warning (float KV)."""
+    if not bits:
+        return None
+    from runner.models.llama import Attention
+
+    caches = model.make_caches()
+    readers = [getattr(layer, "self_attn", None) for layer in getattr(model, "layers", [])]
+    if len(readers) != len(caches) or any(
+        type(c) is KVCache and not isinstance(a, Attention)
+        for c, a in zip(caches, readers, strict=True)
+    ):
+        log.warning("--kv-bits: this model's attention reads float caches only: float KV")
+        return None
+    if any(type(c) is KVCache and a.head_dim % group for c, a in zip(caches, readers, strict=True)):
+        log.warning("--kv-bits: heads are not a multiple of --kv-group %d: float KV", group)
+        return None
+    return bits

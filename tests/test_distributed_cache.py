@@ -11,6 +11,7 @@ import random
 import mlx.core as mx
 import pytest
 
+from cache.kv_quantized import QuantizedKVCache, quantize_caches
 from cache.recurrent import RecurrentCache
 from cache.session import PrefixCache
 from runner.distributed import follower, stage
@@ -38,6 +39,9 @@ def deep_checkpoint(checkpoint_factory) -> str:
     return checkpoint_factory("llama", num_hidden_layers=LAYERS)
 
 
+GROUP = 32  # --kv-group of the tests with --kv-bits
+
+
 class NoWatchdog:
     @contextlib.contextmanager
     def exchange(self, what: str, timed: bool = True):
@@ -48,8 +52,9 @@ class LoopChannel:
     """Rank 0's channel to one later rank run in this process: each command is applied as it
     is sent (``follower.apply``), a forward's rows run through the rank's stage."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, kv_bits: int | None = None) -> None:
         self.model = model
+        self.kv_bits = kv_bits
         self.sets: dict[int, list] = {}
         self.kept = follower.Snapshots()
         self.pending: tuple[Command, list] | None = None
@@ -58,7 +63,7 @@ class LoopChannel:
 
     def caches(self, number: int) -> list:
         if number not in self.sets:
-            self.sets[number] = self.model.make_caches()
+            self.sets[number] = quantize_caches(self.model.make_caches(), self.kv_bits, GROUP)
         return self.sets[number]
 
     def send_command(self, command: Command) -> None:
@@ -93,13 +98,24 @@ class LoopChannel:
         return sum(s.nbytes for snaps in self.kept.values() for s in snaps)
 
 
-def test_the_prefix_cache_keeps_a_later_ranks_snapshots_there_by_id(deep_checkpoint):
-    model = _later_stage(deep_checkpoint)
-    channel = LoopChannel(model)
-    args = stage.read_checkpoint(deep_checkpoint, noop).args
+@pytest.fixture(scope="module")
+def wide_checkpoint(checkpoint_factory) -> str:
+    """Heads of 32 (a --kv-group): the quantized KV caches' layout."""
+    return checkpoint_factory("llama", num_hidden_layers=LAYERS, hidden_size=128)
+
+
+@pytest.mark.parametrize("bits", [None, 8], ids=["float", "kv-bits-8"])
+def test_the_prefix_cache_keeps_a_later_ranks_snapshots_there_by_id(wide_checkpoint, bits):
+    # With --kv-bits the later rank's caches hold packed rows: rank 0 counts their copies'
+    # bytes as such, without asking.
+    model = _later_stage(wide_checkpoint)
+    channel = LoopChannel(model, bits)
+    args = stage.read_checkpoint(wide_checkpoint, noop).args
+    assert args.head_dim == GROUP
     dtype = model.layers[0].input_layernorm.weight.dtype
     layers = range(LAYERS - len(model.layers), LAYERS)
-    link = Link(channel, NoWatchdog(), kv_row_bytes(args, layers, dtype))
+    packed = (bits, GROUP) if bits else None
+    link = Link(channel, NoWatchdog(), kv_row_bytes(args, layers, dtype, packed))
     remote = link.new_set()
     prefix = PrefixCache(remote, budget_bytes=1 << 30)
     table = mx.random.normal((64, model.args.hidden_size), key=mx.random.key(5)).astype(dtype)
@@ -110,8 +126,12 @@ def test_the_prefix_cache_keeps_a_later_ranks_snapshots_there_by_id(deep_checkpo
         session = prefix.begin(prompt)
         fed = prompt + generated[:-1]
         out = link.forward(table[mx.array([fed[session.cached :]])], remote)
-        expected = model.hidden(table[mx.array([fed])], model.make_caches(), prenorm=True)
-        assert mx.allclose(out, expected[:, session.cached :], atol=1e-5).item(), prompt
+        fresh = quantize_caches(model.make_caches(), bits, GROUP)
+        expected = model.hidden(table[mx.array([fed])], fresh, prenorm=True)
+        # Packed rows: a restored prefix is read back quantized where one feed of everything
+        # attends over the chunk's own float rows, so close, not equal.
+        tolerance = 1e-3 if bits else 1e-5
+        assert mx.allclose(out, expected[:, session.cached :], atol=tolerance).item(), prompt
         session.record(generated)
         session.close()
         # The trie holds a handle for every snapshot the rank holds, and counts its copies.
@@ -122,6 +142,8 @@ def test_the_prefix_cache_keeps_a_later_ranks_snapshots_there_by_id(deep_checkpo
 
     first, answer, more = list(range(1, 13)), [30, 31, 32], [40, 41, 42, 43]
     assert turn(first, answer) == 0
+    packed = [isinstance(c, QuantizedKVCache) for c in channel.sets[remote[0].number]]
+    assert packed == [bool(bits)] * len(model.layers)
     assert turn(first + answer + more, [50, 51]) == len(first) + len(answer) - 1
     assert prefix.nbytes == 0  # every snapshot is still a range of the live buffers
     # A branch off the middle splits a node and overwrites the live ranges past it: the
@@ -278,19 +300,23 @@ def test_a_later_rank_told_of_a_snapshot_it_does_not_hold_stops(deep_checkpoint)
         follower.follow(channel, model)
 
 
-async def _chat(cmd: list[str], text: str = LONG_PROMPT) -> list[tuple[list[int], int]]:
+async def _chat(cmd: list[str], text: str = LONG_PROMPT, logprobs: bool = False) -> list[tuple]:
     """A conversation over token ids whose later turns resume from the prefix cache, a
     cancelled turn and a branch off the middle among them: each turn's ids and
-    ``prompt_cached_tokens``."""
+    ``prompt_cached_tokens`` (and its tokens' log-probabilities when ``logprobs``)."""
     runner = await RunnerProcess.start(cmd)
     turns = []
 
     async def turn(tokens: list[int], options: dict) -> list[int]:
         request_id = f"t{len(turns)}"
-        await runner.send({"type": "completion", "id": request_id, "tokens": tokens, **options})
+        request = {"type": "completion", "id": request_id, "tokens": tokens, **options}
+        await runner.send({**request, "logprobs": True} if logprobs else request)
         frames, done = await runner.completion(request_id)
         ids = [t for frame in frames for t in frame["tokens"]]
-        turns.append((ids, done["prompt_cached_tokens"]))
+        got = (ids, done["prompt_cached_tokens"])
+        if logprobs:
+            got += ([p["logprob"] for frame in frames for p in frame["logprobs"]],)
+        turns.append(got)
         return ids
 
     try:
@@ -331,6 +357,17 @@ async def test_ranks_resume_from_the_prefix_cache_as_one_process_does(deep_check
     speculating = await _chat(_runner(deep_checkpoint, *fixed))
     assert [ids for ids, _ in speculating] == [ids for ids, _ in expected]
     assert await _chat(_runner(deep_checkpoint, *fixed, "--ranks", "3")) == speculating
+
+
+async def test_ranks_serve_packed_kv_caches_as_one_process_does(wide_checkpoint):
+    # --kv-bits on every rank (each decides it for its own layers, as one process does):
+    # log-probabilities equal one process's with packed caches, and differ from float ones.
+    packed = ("--kv-bits", "8", "--kv-group", str(GROUP), "--draft-depth", "2")
+    expected = await _chat(_runner(wide_checkpoint, *packed), logprobs=True)
+    assert all(hit > 0 for _, hit, _ in expected[1:]), expected
+    assert await _chat(_runner(wide_checkpoint, *packed, "--ranks", "2"), logprobs=True) == expected
+    floats = await _chat(_runner(wide_checkpoint, *packed[4:]), logprobs=True)
+    assert [lp for *_, lp in floats] != [lp for *_, lp in expected]
 
 
 async def test_ranks_resume_a_hybrid_from_the_prefix_cache_as_one_process_does():

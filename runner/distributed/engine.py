@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from cache import kv_quantized
 from protocol.errors import CodedError, DraftHeadError, LoadError
 from runner.distributed import stage
 from runner.distributed.channel import DTYPES, Channel, Command, Op, RankReport, handshake
@@ -34,7 +35,7 @@ from runner.distributed.pipeline import PipelineModel, pipeline_class
 from runner.distributed.remote import Link
 from runner.distributed.split import LayerPlan
 from runner.distributed.watchdog import Watchdog
-from runner.engine import Engine, EngineOptions, Progress
+from runner.engine import Engine, EngineOptions, Progress, served_kv_bits
 from runner.heads import load_draft_head
 from runner.loader import LoadedModel
 from runner.models import llama, qwen3_5
@@ -71,6 +72,7 @@ class PipelineEngine(Engine):
         self.group = group
         self.watchdog = watchdog
         self.whole_args: llama.ModelArgs | None = None  # set by ``_load``
+        self.stage_kv_bits: int | None = None  # set by ``_load``
         super().__init__(options, progress)
         log.info("across %d ranks: %s", group.size(), self.parallel_detail)
         if self.tuning.row_layout:  # the other ranks' layers take verify rows as rank 0's do
@@ -99,7 +101,11 @@ class PipelineEngine(Engine):
         later = range(run.stop, plan.ranges[-1].stop)
         recurrent = recurrent_layers(checkpoint.args, later)
         held = DTYPES[dtype]
-        row_bytes = kv_row_bytes(checkpoint.args, [i for i in later if i not in recurrent], held)
+        own = super(PipelineModel, loaded.model)  # the family's model over rank 0's layers
+        self.stage_kv_bits = served_kv_bits(own, options.kv_bits, options.kv_group)
+        full = [i for i in later if i not in recurrent]
+        packed = (self.stage_kv_bits, options.kv_group) if self.stage_kv_bits else None
+        row_bytes = kv_row_bytes(checkpoint.args, full, held, packed)
         each = qwen3_5.state_bytes(checkpoint.args, held) if recurrent else 0
         link = Link(channel, self.watchdog, row_bytes, len(recurrent), len(recurrent) * each)
         loaded.model.link = link
@@ -114,6 +120,11 @@ class PipelineEngine(Engine):
                 )
                 self.options = dataclasses.replace(self.options, prefix_cache=False)
         return loaded
+
+    def _kv_bits(self) -> int | None:
+        """--kv-bits as rank 0's own layers serve it (every rank decides alike: a stage's
+        layers are of the model's one attention kind)."""
+        return self.stage_kv_bits
 
     def _handshake(self, report: RankReport) -> list[RankReport]:
         with self.watchdog.exchange("start-up", timed=False):
@@ -178,10 +189,20 @@ class PipelineEngine(Engine):
         report("compile", 1, 1)
 
 
-def kv_row_bytes(args: llama.ModelArgs, layers: Sequence[int], dtype: mx.Dtype) -> int:
+def kv_row_bytes(
+    args: llama.ModelArgs,
+    layers: Sequence[int],
+    dtype: mx.Dtype,
+    packed: tuple[int, int] | None = None,
+) -> int:
     """Bytes one position takes in the full caches of ``layers``: a key and a value row of
-    every key-value head (what a copied-out snapshot holds a position)."""
-    return len(layers) * 2 * args.num_key_value_heads * args.head_dim * dtype.size
+    every key-value head (what a copied-out snapshot holds a position); ``packed``: the rows
+    are --kv-bits rows of ``(bits, group)`` (``cache.kv_quantized``)."""
+    if packed is None:
+        row = args.head_dim * dtype.size
+    else:
+        row = kv_quantized.words(args.head_dim, *packed) * 4
+    return len(layers) * 2 * args.num_key_value_heads * row
 
 
 def recurrent_layers(args: llama.ModelArgs, layers: range) -> list[int]:
@@ -210,4 +231,6 @@ def stage_load(options: EngineOptions) -> stage.StageLoad:
         native_blocks=options.native_blocks,
         exact_products=options.exact_products,
         quantize=options.quantize,
+        kv_bits=options.kv_bits,
+        kv_group=options.kv_group,
     )

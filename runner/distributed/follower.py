@@ -13,11 +13,13 @@ fail, and rank 0 reports the loss.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
 from cache.kv import concat_snapshots
+from cache.kv_quantized import quantize_caches
 from protocol.codes import LOAD_ERROR
 from protocol.errors import CodedError
 from runner import device
@@ -31,6 +33,7 @@ from runner.distributed.channel import (
     RankReport,
     handshake,
 )
+from runner.engine import served_kv_bits
 from runner.images import PlacedRows
 from runner.models import layers
 from runner.models.llama import Model
@@ -97,9 +100,16 @@ def _span(run: range) -> str:
     return f"{run.start}-{run.stop - 1}" if run else "(none: no split)"
 
 
-def follow(channel: Channel, model: Model) -> None:
-    """Apply rank 0's commands until SHUTDOWN. A command this rank cannot apply (a snapshot
-    id it does not hold, a restore its caches are not ready for) means it is out of step."""
+def follow(channel: Channel, model: Model, options: stage.StageLoad | None = None) -> None:
+    """Apply rank 0's commands until SHUTDOWN, each set of caches made as ``options`` say
+    (--kv-bits). A command this rank cannot apply (a snapshot id it does not hold, a restore
+    its caches are not ready for) means it is out of step."""
+    options = stage.StageLoad() if options is None else options
+    bits = served_kv_bits(model, options.kv_bits, options.kv_group)
+
+    def make_caches() -> list:
+        return quantize_caches(model.make_caches(), bits, options.kv_group)
+
     sets: dict[int, list] = {}
     kept = Snapshots()
     while True:
@@ -109,10 +119,10 @@ def follow(channel: Channel, model: Model) -> None:
             return
         caches = sets.get(command.caches, [])
         if command.caches and command.caches not in sets:  # 0: a command naming no set
-            caches = sets[command.caches] = model.make_caches()
+            caches = sets[command.caches] = make_caches()
         try:
             if command.op is Op.FORWARD_ROWS:
-                forward_rows(channel, model, sets, command)
+                forward_rows(channel, model, sets, command, make_caches)
             else:
                 apply(channel, model, caches, kept, command)
         except (KeyError, ValueError) as exc:
@@ -224,7 +234,13 @@ def forward(channel: Channel, model: Model, caches: list, command: Command) -> N
     channel.send_rows(out)
 
 
-def forward_rows(channel: Channel, model: Model, sets: dict[int, list], command: Command) -> None:
+def forward_rows(
+    channel: Channel,
+    model: Model,
+    sets: dict[int, list],
+    command: Command,
+    make_caches: Callable[[], list],
+) -> None:
     """A shared forward: one row for each set the table names (created on first use), each
     checked against its own offset, through this rank's layers and handed on."""
     numbers, offsets = channel.recv_table((2, command.rows))
@@ -232,7 +248,7 @@ def forward_rows(channel: Channel, model: Model, sets: dict[int, list], command:
     caches = []
     for number, offset in zip(numbers, offsets, strict=True):
         if number not in sets:
-            sets[number] = model.make_caches()
+            sets[number] = make_caches()
         if sets[number][0].offset != offset:
             raise OutOfStep(
                 f"caches {number} rest at {sets[number][0].offset}, rank 0 feeds at {offset}"

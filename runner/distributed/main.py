@@ -46,7 +46,6 @@ log = logging.getLogger("mtp_runner.distributed")
 NOT_YET = {
     "cache_dir": "the prefix cache's disk tier",
     "cache_disk_bytes": "the prefix cache's disk tier",
-    "kv_bits": "quantized KV caches",
     "noop_model": "the no-op model (nothing to split)",
 }
 STOP_WAIT_S = 10.0  # how long rank 0 waits for a rank to exit after shutdown before killing it
@@ -131,7 +130,7 @@ def follower_main(args: argparse.Namespace, engine: EngineOptions) -> int:
     if model is None:
         return 1
     try:
-        follower.follow(Channel(group, checkpoint.args.hidden_size), model)
+        follower.follow(Channel(group, checkpoint.args.hidden_size), model, options)
     except RuntimeError as exc:  # a lost peer, or caches out of step with rank 0
         log.error("rank %d stopping: %s", group.rank(), exc)
         return 1

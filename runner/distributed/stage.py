@@ -182,6 +182,8 @@ class StageLoad:
     native_blocks: bool = True
     exact_products: bool = False
     quantize: int | None = None
+    kv_bits: int | None = None  # --kv-bits: full-attention caches packed (if served)
+    kv_group: int = 64
 
 
 def load_stage(
