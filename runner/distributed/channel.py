@@ -61,8 +61,8 @@ class Part(IntEnum):
     """Which of a set's layers a command acts on (a hybrid's set is two caches to rank 0)."""
 
     ALL = 0
-    FULL = 1  # the layers whose caches hold every position (attention over the whole text)
-    STATES = 2  # the windowed ones: a hybrid's recurrent layers
+    FULL = 1  # every layer but the recurrent ones
+    STATES = 2  # a hybrid's recurrent layers (their caches ``keeps_states``)
 
 
 @dataclass(frozen=True)

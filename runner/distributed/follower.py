@@ -133,7 +133,7 @@ def part_of(caches: list, part: Part) -> list:
     """The caches of a set a command's ``part`` names."""
     if part is Part.ALL:
         return caches
-    return [c for c in caches if c.windowed == (part is Part.STATES)]
+    return [c for c in caches if c.keeps_states == (part is Part.STATES)]
 
 
 def apply(channel: Channel, model: Model, caches: list, kept: Snapshots, command: Command) -> None:

@@ -236,6 +236,9 @@ class RemoteCaches(BaseCache):
             snap._relive(self)
 
 
+INT32_MAX = (1 << 31) - 1  # a header word
+
+
 class RemoteState(WindowSnapshot):
     """The other ranks' recurrent states at ``end`` for a trie node ``[start, end)``, kept
     there under ``number`` (their ``RecurrentSnapshot`` objects): restorable at ``end`` only,
@@ -354,8 +357,10 @@ class RemoteStates(RemoteCaches):
         """``RecurrentCache.set_pins`` on every other rank's recurrent layers, ``budget``
         (this cache's share: ``layer_count`` layers' worth) as a count of copies a layer."""
         order = list(dict.fromkeys(int(p) for p in positions))
+        if not order and not self._pins:
+            return  # nothing pinned on the ranks either (a request without a prefix cache)
         size = self.link.state_bytes
-        limit = None if budget is None or not size else budget // size
+        limit = None if budget is None or not size else min(budget // size, INT32_MAX)
         command = Command(Op.PINS, self.number, len(order), -1 if limit is None else limit)
         self.link.pins(dataclasses.replace(command, part=self.part), order)
         self._pins, self._pin_limit = {}, limit
