@@ -218,8 +218,12 @@ def _read_gguf(path: str, report: Progress) -> _Checkpoint:
                 raise CorruptModelFile("not a GGUF file or model directory", path=path)
     config, weights, tokenizer, name, template = gguf.read_checkpoint(path, report)
     model = build_model(config, path=path)
-    quantization = Quantization(QuantSpec(gguf.GROUP_SIZE), key="GGUF")
-    return _Checkpoint(config, model, weights, {}, tokenizer, name, template, quantization)
+    return _Checkpoint(config, model, weights, {}, tokenizer, name, template, gguf_quantization())
+
+
+def gguf_quantization() -> Quantization:
+    """How a GGUF file's quantized tensors load (each carries its type; group of 32)."""
+    return Quantization(QuantSpec(gguf.GROUP_SIZE), key="GGUF")
 
 
 def _read_hf(path: str, report: Progress) -> _Checkpoint:

@@ -25,6 +25,7 @@ from runner.distributed.split import plan_layers
 from runner.loader import load_model
 from runner.models.llama import Model
 from tests.conformance.harness import RunnerProcess
+from tests.test_gguf_models import LEGACY, write_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOE = os.path.join(ROOT, "tests", "fixtures", "reference", "moe")
@@ -434,6 +435,15 @@ async def test_ranks_split_a_moe_model_as_one_process_runs_it():
     assert (
         await _outputs(_runner(path, "--ranks", "2", "--parallel", "2"), requests, True) == expected
     )
+
+
+async def test_ranks_split_a_gguf_file_as_one_process_runs_it(tmp_path):
+    # The older 32-element types with a tied Q8_0 embedding: each rank maps the file and
+    # keeps its own layers' quantized matrices, rank 0 the embedding and output product.
+    path = write_model(tmp_path / "legacy.gguf", LEGACY)
+    expected = await _outputs(_runner(path), REQUESTS[:2])
+    assert all(len(tokens) > 0 for tokens in expected)
+    assert await _outputs(_runner(path, "--ranks", "2"), REQUESTS[:2]) == expected
 
 
 def _longer(requests: list[dict]) -> list[dict]:

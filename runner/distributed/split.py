@@ -42,9 +42,14 @@ class LayerPlan:
         )
 
 
-def held_bytes(tensor: mx.array, dtype: mx.Dtype) -> int:
+def held_bytes(tensor, dtype: mx.Dtype) -> int:
     """Bytes ``tensor`` takes once loaded: a float tensor cast to ``dtype`` (the loader casts
-    floats), any other (a quantized triple's packed words, scales stay float) as stored."""
+    floats), any other (a quantized triple's packed words, scales stay float; a GGUF file's
+    quantized matrix, or a list of them for stacked experts) as stored."""
+    if isinstance(tensor, list):
+        return sum(held_bytes(t, dtype) for t in tensor)
+    if not isinstance(tensor, mx.array):
+        return tensor.nbytes
     if mx.issubdtype(tensor.dtype, mx.floating):
         return tensor.size * dtype.size
     return tensor.nbytes

@@ -10,7 +10,8 @@ hands back a row of D values instead of V logits. The other ranks' stages take h
 in place of token ids (their embedding and final norm are identities).
 
 The llama family (llama, mistral, qwen2, qwen3), qwen3_moe and the Qwen3.5 / Qwen3-Next
-hybrids from a Hugging Face directory are split; anything else is refused by name before any
+hybrids from a Hugging Face directory or a GGUF file (read by the loader's own reader, its
+tensors under Hugging Face names) are split; anything else is refused by name before any
 weight is read. A stage's layers keep their own kind (a MoE model's sparse or dense MLPs, a
 hybrid's Gated DeltaNet or attention blocks: the config's schedules are by global layer
 index).
@@ -27,8 +28,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from drafting.weights import Quantization, read_json
-from protocol.errors import LoadError, ModelFileMissing, UnsupportedArchitecture
-from runner import device, loader, native
+from protocol.errors import (
+    CorruptModelFile,
+    LoadError,
+    ModelFileMissing,
+    UnsupportedArchitecture,
+)
+from runner import device, gguf, loader, native
+from runner.chat_template import ChatTemplate
 from runner.distributed.split import FIRST_RANK, LAYER, LayerPlan, plan_layers, weight_sizes
 from runner.models import config as config_reader
 from runner.models import family, llama, moe, qwen3_5, qwen3_moe
@@ -41,8 +48,8 @@ SPLIT = (llama, qwen3_moe, qwen3_5)
 
 @dataclass
 class Checkpoint:
-    """A directory's config, its family's arguments and model class, and its tensors, still
-    lazy."""
+    """A directory's or GGUF file's config, its family's arguments and model class, and its
+    tensors, still lazy (a GGUF file's quantized matrices are views of the mapped file)."""
 
     path: str
     config: dict
@@ -52,6 +59,8 @@ class Checkpoint:
     tokenizer: object
     name: str
     model_class: type[llama.Model] = llama.Model
+    quantization: Quantization | None = None  # how its quantized tensors load
+    template: ChatTemplate | None = None  # its chat template (rank 0's tokenizer side)
 
 
 def read_checkpoint(path: str, report: Progress) -> Checkpoint:
@@ -61,33 +70,66 @@ def read_checkpoint(path: str, report: Progress) -> Checkpoint:
     if not os.path.exists(path):
         raise ModelFileMissing("model path does not exist", path=path)
     if not os.path.isdir(path):
-        raise UnsupportedArchitecture(
-            "only a Hugging Face model directory is split across ranks (not a GGUF file yet)",
-            path=path,
-        )
+        return _read_gguf(path, report)
     config_path = os.path.join(path, "config.json")
     config = read_json(config_path)
-    model_type = config_reader.model_type(config)
-    module = family(model_type, config_path)
-    if module not in SPLIT:
-        names = ", ".join(name for split in SPLIT for name in split.FAMILIES)
-        raise UnsupportedArchitecture(
-            f"model_type {model_type!r} is not split across ranks yet (only {names})",
-            path=config_path,
-        )
+    module = _split_family(config, config_path)
     args = module.model_args(config, config_path)
+    quantization = Quantization.from_config(config, path=config_path)
     tensors, sources, tokenizer, name = loader._read_directory(path, config, report)
     if config_reader.is_nested(config):
         tensors = {loader.text_name(k): v for k, v in tensors.items()}
         sources = {loader.text_name(k): v for k, v in sources.items()}
-    return Checkpoint(path, config, args, tensors, sources, tokenizer, str(name), module.Model)
+        if quantization is not None:
+            quantization = quantization.renamed(loader.text_name)
+    template = loader._directory_template(path)
+    return Checkpoint(
+        path,
+        config,
+        args,
+        tensors,
+        sources,
+        tokenizer,
+        str(name),
+        module.Model,
+        quantization,
+        template,
+    )
+
+
+def _read_gguf(path: str, report: Progress) -> Checkpoint:
+    """A GGUF file as the loader reads it (its tensors under Hugging Face names)."""
+    if not path.endswith(".gguf"):
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CorruptModelFile("not a GGUF file or model directory", path=path)
+    config, tensors, tokenizer, name, template = gguf.read_checkpoint(path, report)
+    module = _split_family(config, path)
+    args = module.model_args(config, path)
+    quantization = loader.gguf_quantization()
+    return Checkpoint(
+        path, config, args, tensors, {}, tokenizer, str(name), module.Model, quantization, template
+    )
+
+
+def _split_family(config: dict, path: str):
+    """The family module of ``config``, refused by name unless it is split across ranks."""
+    model_type = config_reader.model_type(config)
+    module = family(model_type, path)
+    if module not in SPLIT:
+        names = ", ".join(name for split in SPLIT for name in split.FAMILIES)
+        raise UnsupportedArchitecture(
+            f"model_type {model_type!r} is not split across ranks yet (only {names})", path=path
+        )
+    return module
 
 
 def output_copy(args: llama.ModelArgs, layout: str, tensors: Mapping[str, mx.array]) -> bool:
     """Whether rank 0 holds a tied float embedding twice: the packed layouts give the output
     product its own contiguous ``[D, V]`` copy (``runner.device``)."""
     embed = tensors.get("model.embed_tokens.weight")
-    quantized = "model.embed_tokens.scales" in tensors
+    # An MLX triple has scales beside it; a GGUF file's quantized matrix is no array.
+    quantized = "model.embed_tokens.scales" in tensors or not isinstance(embed, mx.array)
     return bool(
         args.tie_word_embeddings
         and layout in ("packed", "panels")
@@ -202,10 +244,6 @@ def load_stage(
     if keep is None:
         keep = mx.default_device() != mx.cpu or native.qpanels_fast()
     dtype = loader._parse_dtype(options.dtype)
-    config_path = os.path.join(checkpoint.path, "config.json")
-    quantization = Quantization.from_config(checkpoint.config, path=config_path)
-    if quantization is not None and config_reader.is_nested(checkpoint.config):
-        quantization = quantization.renamed(loader.text_name)
     tensors = stage_tensors(checkpoint.tensors, run, first)
     check_hybrid_layout(checkpoint, tensors)
     # Loading evaluates the kept tensors and the layout step copies them; the checkpoint's
@@ -220,7 +258,7 @@ def load_stage(
         tokenizer=checkpoint.tokenizer,
         name=checkpoint.name,
         template=None,
-        quantization=quantization,
+        quantization=checkpoint.quantization,
     )
     try:
         quantized, extras = loader._load_weights(read, checkpoint.path, keep, dtype, report)
@@ -237,7 +275,7 @@ def load_stage(
         context_length=int(checkpoint.args.max_position_embeddings),
         dtype=dtype,
         quantized=quantized,
-        chat_template=loader._directory_template(checkpoint.path) if first else None,
+        chat_template=checkpoint.template if first else None,
         extra_weights=extras,  # rank 0's: an inline MTP head (``FIRST_RANK``)
     )
 
