@@ -359,6 +359,16 @@ async def test_ranks_resume_from_the_prefix_cache_as_one_process_does(deep_check
     assert await _chat(_runner(deep_checkpoint, *fixed, "--ranks", "3")) == speculating
 
 
+async def test_ranks_serve_a_qwen3_model_as_one_process_does(checkpoint_factory):
+    # Its per-head query and key norms on every rank; speculating at a fixed depth, over
+    # three ranks with room for two completions.
+    path = checkpoint_factory("qwen3", num_hidden_layers=LAYERS)
+    fixed = ("--draft-depth", "2")
+    expected = await _chat(_runner(path, *fixed))
+    assert all(hit > 0 for _, hit in expected[1:]), expected
+    assert await _chat(_runner(path, *fixed, "--ranks", "3", "--parallel", "2")) == expected
+
+
 async def test_ranks_serve_packed_kv_caches_as_one_process_does(wide_checkpoint):
     # --kv-bits on every rank (each decides it for its own layers, as one process does):
     # log-probabilities equal one process's with packed caches, and differ from float ones.
