@@ -140,14 +140,14 @@ async def test_missing_fields_and_deep_arrays_say_what_the_documentation_says(sp
 async def test_cancel_during_a_long_prefill_lands_at_once(default_runner):
     runner = default_runner
     if True:
-        prompt = CHAT.format(" ".join(f"item {i} is on the list." for i in range(300)))
+        prompt = CHAT.format(" ".join(f"item {i} is on the list." for i in range(150)))
         # The whole prefill of this prompt, for scale.
         full = unique_id("full")
         started = time.monotonic()
         await runner.send(completion(full, prompt=prompt, num_predict=1))
         _, done = await runner.completion(full, timeout=300)
         prefill_s = time.monotonic() - started
-        assert done["prompt_tokens"] > 2000
+        assert done["prompt_tokens"] > 1000  # several prefill chunks
         latencies = []
         for delay in (0.3, 0.5 * prefill_s):
             rid = unique_id("cancelled")
