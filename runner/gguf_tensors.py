@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from protocol.errors import CorruptModelFile, UnsupportedArchitecture, UnsupportedTensorType
+from runner import gguf_metadata
 from runner.quantized import QuantizedTensor, affine_dense
 
 # (values uint8 [B, block], scales f32 [B, block // group], biases f32 [B, block // group])
@@ -206,9 +207,11 @@ def read_tensor(t, path: str) -> mx.array | GGUFQuantized:
 
 
 def _reader(path: str):
-    """A ``gguf.GGUFReader`` of ``path`` whose memory map is seen as a plain ndarray: the
-    reader slices it once per metadata item, and ``np.memmap``'s per-slice bookkeeping made
-    parsing a 49k-token vocabulary three times slower. The views still share the map."""
+    """A ``gguf.GGUFReader`` of ``path`` whose memory map is seen as a plain ndarray (the
+    reader slices it once per tensor info, and ``np.memmap``'s per-slice bookkeeping is
+    slow; the views still share the map) and whose metadata is read in one pass
+    (``runner.gguf_metadata``: the reader's own numpy views per string made a 49k-token
+    vocabulary cost seconds)."""
     import gguf  # here: only GGUF files need it (and its ~50 ms import)
 
     class Reader(gguf.GGUFReader):
@@ -219,6 +222,16 @@ def _reader(path: str):
         @data.setter
         def data(self, value: np.ndarray) -> None:
             self._bytes = value.view(np.ndarray)
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            """The metadata in one pass (``runner.gguf_metadata``); the reader then reads
+            the tensor infos from the offset it returns."""
+            if self.byte_order != "I":  # refused by ``open_gguf`` once read
+                return super()._build_fields(offs, count)
+            fields, end = gguf_metadata.read_fields(self._bytes, int(offs), int(count))
+            for found in fields.values():
+                self._push_field(found, skip_sum=True)
+            return end
 
     return Reader(path)
 

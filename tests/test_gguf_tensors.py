@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from protocol import errors
 from runner import gguf as runner_gguf
-from runner.gguf_tensors import FORMATS, GGUFQuantized, dense, read_gguf_file
+from runner.gguf_tensors import FORMATS, GGUFQuantized, dense, open_gguf, read_gguf_file
 from runner.quantized import affine_dense
 
 # Byte offsets of every block's fp16 fields (d, and dmin or m), per type.
@@ -232,3 +232,41 @@ def test_default_model_reads_exactly_as_mx_load(default_model):
         want = mx.dequantize(loaded[name], scales, biases, group_size=32, bits=t.bits)
         assert np.array_equal(np.array(dense(t)), np.array(want)), name
     assert kinds == {"Q4_1", "Q8_0"}
+
+
+def test_metadata_reads_as_the_librarys_own_reader(tmp_path):
+    # Every value type, arrays of numbers, strings and arrays, non-ASCII text:
+    # the one-pass metadata reader gives what gguf.GGUFReader's fields give, and the reader
+    # finds the tensors where its own parse puts them.
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    V = gguf.GGUFValueType
+    scalars = [(V.UINT8, 7), (V.INT8, -7), (V.UINT16, 60000), (V.INT16, -3), (V.UINT32, 1 << 31)]
+    scalars += [(V.INT32, -(1 << 30)), (V.FLOAT32, 0.1), (V.BOOL, True), (V.UINT64, 1 << 40)]
+    scalars += [(V.INT64, -(1 << 40)), (V.FLOAT64, 1e-300), (V.STRING, "naïve ☃")]
+    for i, (kind, value) in enumerate(scalars):
+        writer.add_key_value(f"test.scalar.{i}", value, kind)
+    writer.add_array("test.ints", [3, -1, 4])
+    writer.add_array("test.floats", [0.5, 1.25])
+    writer.add_array("test.strings", ["a", "", "ünï", "Ġthe"] * 1000)
+    writer.add_array("test.bools", [True, False])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("blk.0.ffn_up.weight", rng.standard_normal((4, 32)).astype(np.float32))
+    writer.add_tensor("blk.0.ffn_down.weight", random_blocks("Q8_0", 4, 64), raw_dtype=T.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = str(tmp_path / "m.gguf")
+    reader, metadata = open_gguf(path)
+    library = gguf.GGUFReader(path)
+    expected = {k: f.contents() for k, f in library.fields.items() if not k.startswith("GGUF.")}
+    # The library flattens an array of arrays (its own note says so); this keeps the nesting.
+    assert metadata.pop("test.nested") == [[1, 2], [3]] and expected.pop("test.nested") == [1, 2, 3]
+    assert metadata == expected
+    assert {k: list(f.types) for k, f in reader.fields.items()} == {
+        k: list(f.types) for k, f in library.fields.items()
+    }
+    assert metadata["test.strings"][2] == "ünï" and metadata["test.bools"] == [True, False]
+    ours = [(t.name, t.data_offset, list(t.shape)) for t in reader.tensors]
+    assert ours == [(t.name, t.data_offset, list(t.shape)) for t in library.tensors]
