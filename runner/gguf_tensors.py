@@ -206,12 +206,12 @@ def read_tensor(t, path: str) -> mx.array | GGUFQuantized:
     return GGUFQuantized(kind, dims, t.data)
 
 
-def _reader(path: str):
+def gguf_reader(path: str, one_pass: bool = True):
     """A ``gguf.GGUFReader`` of ``path`` whose memory map is seen as a plain ndarray (the
     reader slices it once per tensor info, and ``np.memmap``'s per-slice bookkeeping is
-    slow; the views still share the map) and whose metadata is read in one pass
-    (``runner.gguf_metadata``: the reader's own numpy views per string made a 49k-token
-    vocabulary cost seconds)."""
+    slow; the views still share the map) and, with ``one_pass``, whose metadata is read in
+    one pass (``runner.gguf_metadata``: the reader's own numpy views per string made a
+    49k-token vocabulary cost seconds; ``scripts/bench/gguf_read.py`` times both)."""
     import gguf  # here: only GGUF files need it (and its ~50 ms import)
 
     class Reader(gguf.GGUFReader):
@@ -224,9 +224,9 @@ def _reader(path: str):
             self._bytes = value.view(np.ndarray)
 
         def _build_fields(self, offs: int, count: int) -> int:
-            """The metadata in one pass (``runner.gguf_metadata``); the reader then reads
-            the tensor infos from the offset it returns."""
-            if self.byte_order != "I":  # refused by ``open_gguf`` once read
+            """The metadata; the reader then reads the tensor infos from the offset this
+            returns."""
+            if not one_pass or self.byte_order != "I":  # refused by ``open_gguf`` once read
                 return super()._build_fields(offs, count)
             fields, end = gguf_metadata.read_fields(self._bytes, int(offs), int(count))
             for found in fields.values():
@@ -241,7 +241,7 @@ def open_gguf(path: str):
     (str, int, float, bool, lists of them) under its GGUF keys; an unreadable file is
     ``CorruptModelFile``."""
     try:
-        reader = _reader(path)
+        reader = gguf_reader(path)
         if reader.byte_order != "I":
             raise ValueError("byte order opposite to this machine's")
         # Plain Python (str, int, float, bool, lists of them); GGUF.* is the header.

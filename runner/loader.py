@@ -211,11 +211,16 @@ class _Checkpoint:
     quantization: Quantization | None
 
 
-def _read_gguf(path: str, report: Progress) -> _Checkpoint:
+def check_gguf(path: str) -> None:
+    """Refuse a file that is neither named ``.gguf`` nor starts as one."""
     if not path.endswith(".gguf"):
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise CorruptModelFile("not a GGUF file or model directory", path=path)
+
+
+def _read_gguf(path: str, report: Progress) -> _Checkpoint:
+    check_gguf(path)
     config, weights, tokenizer, name, template = gguf.read_checkpoint(path, report)
     model = build_model(config, path=path)
     return _Checkpoint(config, model, weights, {}, tokenizer, name, template, gguf_quantization())

@@ -29,7 +29,6 @@ import mlx.nn as nn
 
 from drafting.weights import Quantization, read_json
 from protocol.errors import (
-    CorruptModelFile,
     LoadError,
     ModelFileMissing,
     UnsupportedArchitecture,
@@ -99,10 +98,7 @@ def read_checkpoint(path: str, report: Progress) -> Checkpoint:
 
 def _read_gguf(path: str, report: Progress) -> Checkpoint:
     """A GGUF file as the loader reads it (its tensors under Hugging Face names)."""
-    if not path.endswith(".gguf"):
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise CorruptModelFile("not a GGUF file or model directory", path=path)
+    loader.check_gguf(path)
     config, tensors, tokenizer, name, template = gguf.read_checkpoint(path, report)
     module = _split_family(config, path)
     args = module.model_args(config, path)

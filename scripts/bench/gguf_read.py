@@ -27,21 +27,11 @@ sys.path.insert(0, bc.ROOT)
 
 
 def library_metadata(path: str) -> dict:
-    """The metadata as ``gguf.GGUFReader`` parses it (the map seen as a plain ndarray, as the
-    runner's reader sees it, so only the metadata parse differs)."""
-    import gguf
-    import numpy as np
+    """The metadata as ``gguf.GGUFReader`` parses it (over the same ndarray view of the map
+    as the runner's reader, so only the metadata parse differs)."""
+    from runner.gguf_tensors import gguf_reader
 
-    class Reader(gguf.GGUFReader):
-        @property
-        def data(self) -> np.ndarray:
-            return self._bytes
-
-        @data.setter
-        def data(self, value: np.ndarray) -> None:
-            self._bytes = value.view(np.ndarray)
-
-    reader = Reader(path)
+    reader = gguf_reader(path, one_pass=False)
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
