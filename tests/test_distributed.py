@@ -368,11 +368,15 @@ async def endless(runner: RunnerProcess, request_id: str, prompt: str) -> None:
 
 
 async def _outputs(
-    cmd: list[str], requests: list[dict] = REQUESTS, shared: bool = False
+    cmd: list[str],
+    requests: list[dict] = REQUESTS,
+    shared: bool = False,
+    cached: list[int] | None = None,
 ) -> list[list[int]]:
     """Each request's tokens, after a completion cancelled mid-decode. ``shared``: every
     request sent at once, and the first two must overlap (the second streamed a token before
-    the first was done: they shared forwards)."""
+    the first was done: they shared forwards). ``cached`` gets each request's
+    ``prompt_cached_tokens``."""
     runner = await RunnerProcess.start(cmd)
     try:
         # A completion cancelled mid-decode first: its caches rest where it stopped, and the
@@ -390,6 +394,8 @@ async def _outputs(
                 tokens, done = await runner.completion(f"r{pending}", 120)
                 assert done["done_reason"] == "length", done
                 outputs.append([t for frame in tokens for t in frame["tokens"]])
+                if cached is not None:
+                    cached.append(done["prompt_cached_tokens"])
         # A shutdown request, not the end of stdin: mlx.launch never closes the ranks' stdin.
         await runner.send({"type": "shutdown"})
         assert await runner.wait_exit() == 0, runner.stderr_tail()
@@ -430,8 +436,12 @@ async def test_ranks_split_a_moe_model_as_one_process_runs_it():
     # Its context is 256 positions: the long prompt at half its length (still several chunks).
     prompt = LONG_PROMPT[: len(LONG_PROMPT) // 2]
     requests = [*_longer(REQUESTS[:2]), *({**r, "prompt": prompt} for r in REQUESTS[2:])]
-    expected = await _outputs(_runner(path), requests)
-    assert await _outputs(_runner(path, "--ranks", "3"), requests) == expected
+    hits: list[int] = []
+    expected = await _outputs(_runner(path), requests, cached=hits)
+    assert hits[-1] > 0, hits  # the long prompt again: a prefix-cache hit
+    ranked: list[int] = []
+    assert await _outputs(_runner(path, "--ranks", "3"), requests, cached=ranked) == expected
+    assert ranked == hits
     assert (
         await _outputs(_runner(path, "--ranks", "2", "--parallel", "2"), requests, True) == expected
     )
