@@ -14,8 +14,8 @@ import sys
 import mlx.core as mx
 import pytest
 
-from protocol.errors import CodedError, LoadError
-from runner import blas, device
+from protocol.errors import CodedError, LoadError, UnsupportedArchitecture
+from runner import blas, device, gguf_families
 from runner.cli import build_parser
 from runner.distributed import follower, ranks, stage
 from runner.distributed.channel import Command, Op, RankReport
@@ -25,6 +25,7 @@ from runner.distributed.split import plan_layers
 from runner.loader import load_model
 from runner.models.llama import Model
 from tests.conformance.harness import RunnerProcess
+from tests.test_gguf_families import write_pair
 from tests.test_gguf_models import LEGACY, write_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -454,6 +455,16 @@ async def test_ranks_split_a_gguf_file_as_one_process_runs_it(tmp_path):
     expected = await _outputs(_runner(path), REQUESTS[:2])
     assert all(len(tokens) > 0 for tokens in expected)
     assert await _outputs(_runner(path, "--ranks", "2"), REQUESTS[:2]) == expected
+
+
+def test_a_gguf_moe_file_is_refused_by_name_before_its_experts_are_unpacked(tmp_path, monkeypatch):
+    # Its stacked experts would be unpacked for every layer on every rank.
+    _, gguf_path = write_pair(tmp_path, "qwen3moe")
+    unpacked = []
+    monkeypatch.setattr(gguf_families, "dense_stack", lambda w: unpacked.append(w))
+    with pytest.raises(UnsupportedArchitecture, match="routed experts") as raised:
+        stage.read_checkpoint(gguf_path, noop)
+    assert raised.value.path == gguf_path and not unpacked
 
 
 def _longer(requests: list[dict]) -> list[dict]:

@@ -20,6 +20,7 @@ index).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -99,13 +100,28 @@ def read_checkpoint(path: str, report: Progress) -> Checkpoint:
 def _read_gguf(path: str, report: Progress) -> Checkpoint:
     """A GGUF file as the loader reads it (its tensors under Hugging Face names)."""
     loader.check_gguf(path)
-    config, tensors, tokenizer, name, template = gguf.read_checkpoint(path, report)
+    refuse = functools.partial(_split_gguf, path=path)
+    config, tensors, tokenizer, name, template = gguf.read_checkpoint(path, report, refuse)
     module = _split_family(config, path)
     args = module.model_args(config, path)
     quantization = loader.gguf_quantization()
     return Checkpoint(
         path, config, args, tensors, {}, tokenizer, str(name), module.Model, quantization, template
     )
+
+
+def _split_gguf(config: dict, path: str) -> None:
+    """Refuse a GGUF model the ranks cannot split: another family, or routed experts (the
+    file's stacked experts are unpacked to float32 for every layer as they are mapped, so
+    every rank would hold all of them)."""
+    module = _split_family(config, path)
+    if "moe" in module.model_args(config, path).extra:
+        raise UnsupportedArchitecture(
+            "a GGUF file's routed experts are unpacked for every layer as the file is read, "
+            "so each rank would hold all of them: split a MoE model from a Hugging Face "
+            "directory (its experts are read lazily)",
+            path=path,
+        )
 
 
 def _split_family(config: dict, path: str):
