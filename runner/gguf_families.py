@@ -324,7 +324,8 @@ def _glm4moe(config: dict, get: Get, head_dim: int, rotated, path: str) -> None:
 def dense_stack(w) -> mx.array:
     """A stacked ``[E, out, in]`` tensor (experts, or per-head matrices) as float32: dense as
     stored, or each quantized matrix (a ``GGUFQuantized`` each, see ``runner.gguf.read_gguf``)
-    dequantized: the loader has no quantized product for stacked experts on the CPU."""
+    dequantized: where a mapping must cut the stack, and the loader's fallback for experts
+    its gathered product does not take (``runner.loader.keep_expert_list``)."""
     if isinstance(w, list):
         return mx.array(np.stack([affine_dense(*q.unpack()) for q in w]))
     return w.astype(mx.float32) if w.dtype != mx.float32 else w
@@ -362,8 +363,8 @@ def map_family_tensors(arch: str, weights: dict, config: dict) -> dict:
             part = stem
         if gemma and part.endswith("norm") and isinstance(w, mx.array):
             w = w.astype(mx.float32) - 1.0  # the file holds 1 + w (module docstring)
-        elif part.endswith("_exps"):
-            w = dense_stack(w)
+        elif part.endswith("_exps") and not isinstance(w, list):
+            w = dense_stack(w)  # a quantized stack stays one matrix per expert (the loader's)
         out[key] = w
     if arch == "glm4moe":
         # No keys for these: the tensors say (the model is built after this mapping).

@@ -354,8 +354,8 @@ def map_hybrid_tensors(arch: str, weights: dict, config: dict) -> dict:
             w = w.reshape(*w.shape, 1)  # [C, K] -> MLX's [C, K, 1]
         elif part == "ffn_gate_inp_shexp":
             w = w.reshape(1, -1)  # [1, D], whether stored 1-D or not
-        elif part.endswith("_exps"):
-            w = dense_stack(w)
+        elif part.endswith("_exps") and not isinstance(w, list):
+            w = dense_stack(w)  # a quantized stack stays one matrix per expert (the loader's)
         out[f"{layer}.{mapped}" if part in _BARE else f"{layer}.{mapped}.{suffix}"] = w
     if dropped:
         log.info(

@@ -29,7 +29,7 @@ from protocol.errors import (
     TokenizerMissing,
     UnsupportedArchitecture,
 )
-from runner import gguf, native
+from runner import gguf, gguf_families, native
 from runner.chat_template import ChatTemplate, from_directory
 from runner.models import build_model
 from runner.models import config as config_reader
@@ -262,6 +262,15 @@ def _load_weights(
             weights.pop(f"lm_head.{suffix}", None)
     # Only the model's own triples: other tensors (an inline MTP head) stay as stored for
     # their own loader, which reports their faults without failing the target.
+    # A GGUF file's stacked quantized experts (a list of matrices, one per expert): expert
+    # panels where the gathered product takes them, else float32 as one tensor.
+    on_cpu = keep_quantized and mx.default_device() == mx.cpu
+    kept_experts = False
+    for name in [k for k, v in weights.items() if isinstance(v, list)]:
+        if on_cpu and keep_expert_list(model, weights, name):
+            kept_experts = True
+        else:
+            weights[name] = gguf_families.dense_stack(weights[name])
     widths = input_widths(model)
     own = {k: v for k, v in weights.items() if k.rpartition(".")[0] in widths}
     specs = quantized_modules(own, read.quantization, in_dims=widths, path=path, sources=sources)
@@ -288,7 +297,7 @@ def _load_weights(
         weights[name] = mx.array(affine_dense(*weights[name].unpack()))  # not kept: float32
     extras = check_and_load(model, weights, path=path, sources=sources, dtype=dtype)
     refuse_unused_parameters(model, extras, sources, path)
-    return kept, extras
+    return kept or kept_experts, extras
 
 
 def keep_experts(model: nn.Module, weights: dict, base: str, spec: tuple[int, int]) -> bool:
@@ -321,6 +330,42 @@ def keep_experts(model: nn.Module, weights: dict, base: str, spec: tuple[int, in
     module._panels = mx.stack(experts)
     mx.eval(module._panels)
     module.output_dims = outputs
+    del module["weight"]
+    return True
+
+
+def keep_expert_list(model: nn.Module, weights: dict, name: str) -> bool:
+    """Move a GGUF file's stacked quantized experts ``name`` (one ``QuantizedTensor`` per
+    expert, of one type) out of ``weights`` into their ``SwitchLinear`` as quantized expert
+    panels; False (left in ``weights``) where the gathered product does not take them."""
+    from runner.models.moe import SwitchLinear
+    from runner.native.quantized import halves_exactly, kernel_bits, to_qpanels
+
+    experts: list[QuantizedTensor] = weights[name]
+    module = dict(model.named_modules()).get(name.rpartition(".")[0])
+    first = experts[0]
+    if not (
+        type(module) is SwitchLinear
+        and len(experts) == module.weight.shape[0]
+        and all(e.shape == first.shape and e.kind == first.kind for e in experts)
+        and tuple(module.weight.shape[1:]) == tuple(first.shape)
+        and native.gathered_quantized_available()
+        and first.shape[0] % native.PANEL == 0
+        and (first.group == 16 or first.group % 32 == 0)
+    ):
+        return False
+    unpacked = [e.unpack() for e in experts]
+    # One header format for every expert (they are stacked): float16 only if all fit.
+    half = all(halves_exactly(scales, biases) for _, scales, biases in unpacked)
+    bits = kernel_bits(first.bits)
+    panels = []
+    for values, scales, biases in unpacked:
+        panels.append(to_qpanels(values, scales, biases, bits, half=half))
+        mx.eval(panels[-1])
+    del weights[name], unpacked
+    module._panels = mx.stack(panels)
+    mx.eval(module._panels)
+    module.output_dims = first.shape[0]
     del module["weight"]
     return True
 

@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from protocol.errors import CodedError, LoadError, UnsupportedArchitecture
-from runner import blas, device, gguf_families
+from runner import blas, device, gguf_hybrid
 from runner.cli import build_parser
 from runner.distributed import follower, ranks, stage
 from runner.distributed.channel import Command, Op, RankReport
@@ -26,6 +26,7 @@ from runner.loader import load_model
 from runner.models.llama import Model
 from tests.conformance.harness import RunnerProcess
 from tests.test_gguf_families import write_pair
+from tests.test_gguf_hybrid import write_pair as write_hybrid_pair
 from tests.test_gguf_models import LEGACY, write_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -457,14 +458,29 @@ async def test_ranks_split_a_gguf_file_as_one_process_runs_it(tmp_path):
     assert await _outputs(_runner(path, "--ranks", "2"), REQUESTS[:2]) == expected
 
 
-def test_a_gguf_moe_file_is_refused_by_name_before_its_experts_are_unpacked(tmp_path, monkeypatch):
-    # Its stacked experts would be unpacked for every layer on every rank.
-    _, gguf_path = write_pair(tmp_path, "qwen3moe")
+async def test_ranks_split_a_gguf_moe_file_as_one_process_runs_it(tmp_path):
+    # Its stacked experts stay one quantized matrix per expert until a stage loads its own
+    # layers (as expert panels): no rank unpacks another's.
+    _, path = write_pair(tmp_path, "qwen3moe")
+    checkpoint = stage.read_checkpoint(path, noop)
+    stacks = [v for k, v in checkpoint.tensors.items() if ".switch_mlp." in k]
+    assert stacks and all(isinstance(v, list) for v in stacks)
+    requests = [{"prompt": "the cat", "options": {"temperature": 0, "num_predict": 8}}]
+    expected = await _outputs(_runner(path), requests)
+    assert await _outputs(_runner(path, "--ranks", "2"), requests) == expected
+
+
+def test_a_gguf_file_with_fused_experts_is_refused_by_name_before_they_are_unpacked(
+    tmp_path, monkeypatch
+):
+    # The mapping cuts a fused gate-up stack, unpacking it for every layer on every rank.
+    _, path = write_hybrid_pair(tmp_path, "qwen35moe-fused")
     unpacked = []
-    monkeypatch.setattr(gguf_families, "dense_stack", lambda w: unpacked.append(w))
-    with pytest.raises(UnsupportedArchitecture, match="routed experts") as raised:
-        stage.read_checkpoint(gguf_path, noop)
-    assert raised.value.path == gguf_path and not unpacked
+    monkeypatch.setattr(gguf_hybrid, "dense_stack", lambda w: unpacked.append(w))
+    with pytest.raises(UnsupportedArchitecture, match="fused gate-up experts") as raised:
+        stage.read_checkpoint(path, noop)
+    assert raised.value.path == path and "ffn_gate_up_exps" in raised.value.tensor
+    assert not unpacked
 
 
 def _longer(requests: list[dict]) -> list[dict]:

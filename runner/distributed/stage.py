@@ -110,17 +110,18 @@ def _read_gguf(path: str, report: Progress) -> Checkpoint:
     )
 
 
-def _split_gguf(config: dict, path: str) -> None:
-    """Refuse a GGUF model the ranks cannot split: another family, or routed experts (the
-    file's stacked experts are unpacked to float32 for every layer as they are mapped, so
-    every rank would hold all of them)."""
-    module = _split_family(config, path)
-    if "moe" in module.model_args(config, path).extra:
+def _split_gguf(config: dict, names: list[str], path: str) -> None:
+    """Refuse a GGUF model the ranks cannot split: another family, or experts the mapping
+    unpacks for every layer as the file is read (a fused gate-up stack is cut there), which
+    every rank would hold whole."""
+    _split_family(config, path)
+    fused = [n for n in names if n.endswith("ffn_gate_up_exps.weight")]
+    if fused:
         raise UnsupportedArchitecture(
-            "a GGUF file's routed experts are unpacked for every layer as the file is read, "
-            "so each rank would hold all of them: split a MoE model from a Hugging Face "
-            "directory (its experts are read lazily)",
+            "its fused gate-up experts are unpacked for every layer as the file is read, so "
+            "each rank would hold all of them: split it from a Hugging Face directory",
             path=path,
+            tensor=fused[0],
         )
 
 
