@@ -329,9 +329,8 @@ def read_checkpoint(
     """(Hugging Face style config, tensors under Hugging Face names, tokenizer, name, chat
     template) of a GGUF file; the loader builds and loads the model from them as from a
     directory. Quantized tensors arrive as lazy ``GGUFQuantized`` objects (stacked experts
-    as a list of them, one per expert, but where the mapping must cut them: unpacked).
-    ``check`` sees the config and the file's tensor names first and may refuse them before
-    any tensor is mapped."""
+    as a list of them, one per expert). ``check`` sees the config and the file's tensor
+    names first and may refuse them before any tensor is mapped."""
     report("read", 0, 1)
     weights, meta = read_gguf(path)
     report("read", 1, 1)

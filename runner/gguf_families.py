@@ -324,8 +324,8 @@ def _glm4moe(config: dict, get: Get, head_dim: int, rotated, path: str) -> None:
 def dense_stack(w) -> mx.array:
     """A stacked ``[E, out, in]`` tensor (experts, or per-head matrices) as float32: dense as
     stored, or each quantized matrix (a ``GGUFQuantized`` each, see ``runner.gguf.read_gguf``)
-    dequantized: where a mapping must cut the stack, and the loader's fallback for experts
-    its gathered product does not take (``runner.loader.keep_expert_list``)."""
+    dequantized: the loader's fallback for experts its gathered product does not take
+    (``runner.loader.keep_expert_list``), and the other stacks' form."""
     if isinstance(w, list):
         return mx.array(np.stack([affine_dense(*q.unpack()) for q in w]))
     return w.astype(mx.float32) if w.dtype != mx.float32 else w

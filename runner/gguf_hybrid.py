@@ -331,10 +331,18 @@ def map_hybrid_tensors(arch: str, weights: dict, config: dict) -> dict:
             continue
         layer = f"model.layers.{idx}"
         if part == "ffn_gate_up_exps":  # fused by the converter: gate rows, then up rows
+            gate, up = (
+                f"{layer}.mlp.switch_mlp.gate_proj.weight",
+                f"{layer}.mlp.switch_mlp.up_proj.weight",
+            )
+            if isinstance(w, list):  # quantized: each expert's halves as views of its rows
+                half = w[0].shape[0] // 2
+                out[gate] = [q.take_rows(np.arange(half)) for q in w]
+                out[up] = [q.take_rows(np.arange(half, 2 * half)) for q in w]
+                continue
             stack = dense_stack(w)
             half = stack.shape[1] // 2
-            out[f"{layer}.mlp.switch_mlp.gate_proj.weight"] = stack[:, :half]
-            out[f"{layer}.mlp.switch_mlp.up_proj.weight"] = stack[:, half:]
+            out[gate], out[up] = stack[:, :half], stack[:, half:]
             continue
         if part in ("ssm_in", "ssm_ba") and arch == "qwen3next":
             for leaf, split in _split_fused(part, w, config).items():

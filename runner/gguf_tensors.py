@@ -155,15 +155,18 @@ class GGUFQuantized:
 
     @property
     def nbytes(self) -> int:
-        return int(self.blocks.nbytes)
+        """Bytes of its rows' blocks (a view of some rows counts those)."""
+        return self.shape[0] * int(self.blocks.shape[1])
 
     def take_rows(self, order: np.ndarray) -> GGUFQuantized:
-        """This tensor with its rows taken in ``order`` (``new[i] = old[order[i]]``), lazily:
-        a row is whole blocks, so values, scales and biases permute alike."""
+        """This tensor with its rows taken in ``order`` (``new[i] = old[order[i]]``: a
+        permutation, or some of the rows), lazily: a row is whole blocks, so values, scales
+        and biases are taken alike."""
         order = np.asarray(order, dtype=np.intp)
-        if order.shape != (self.shape[0],):
+        if order.ndim != 1 or (order.size and not 0 <= order.min() <= order.max() < self.shape[0]):
             raise ValueError(f"row order of shape {order.shape} for {self.shape[0]} rows")
-        return replace(self, rows=order if self.rows is None else self.rows[order])
+        rows = order if self.rows is None else self.rows[order]
+        return replace(self, shape=(len(order), self.shape[1]), rows=rows)
 
     def unpack(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(values uint8 [N, K], scales float32 [N, K // group], biases float32 [N, K //

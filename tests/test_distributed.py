@@ -14,8 +14,8 @@ import sys
 import mlx.core as mx
 import pytest
 
-from protocol.errors import CodedError, LoadError, UnsupportedArchitecture
-from runner import blas, device, gguf_hybrid
+from protocol.errors import CodedError, LoadError
+from runner import blas, device
 from runner.cli import build_parser
 from runner.distributed import follower, ranks, stage
 from runner.distributed.channel import Command, Op, RankReport
@@ -470,17 +470,12 @@ async def test_ranks_split_a_gguf_moe_file_as_one_process_runs_it(tmp_path):
     assert await _outputs(_runner(path, "--ranks", "2"), requests) == expected
 
 
-def test_a_gguf_file_with_fused_experts_is_refused_by_name_before_they_are_unpacked(
-    tmp_path, monkeypatch
-):
-    # The mapping cuts a fused gate-up stack, unpacking it for every layer on every rank.
+async def test_ranks_split_a_hybrid_gguf_with_fused_experts_as_one_process_runs_it(tmp_path):
+    # The converter's fused gate-up stack: each expert's halves are views of its rows.
     _, path = write_hybrid_pair(tmp_path, "qwen35moe-fused")
-    unpacked = []
-    monkeypatch.setattr(gguf_hybrid, "dense_stack", lambda w: unpacked.append(w))
-    with pytest.raises(UnsupportedArchitecture, match="fused gate-up experts") as raised:
-        stage.read_checkpoint(path, noop)
-    assert raised.value.path == path and "ffn_gate_up_exps" in raised.value.tensor
-    assert not unpacked
+    requests = [{"prompt": "the cat", "options": {"temperature": 0, "num_predict": 8}}]
+    expected = await _outputs(_runner(path), requests)
+    assert await _outputs(_runner(path, "--ranks", "2"), requests) == expected
 
 
 def _longer(requests: list[dict]) -> list[dict]:

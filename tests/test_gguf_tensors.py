@@ -146,7 +146,7 @@ def test_metadata_is_plain_python(tmp_path):
     assert meta["tokenizer.ggml.token_type"] == [1, 3, 4]
 
 
-def test_take_rows_permutes_whole_rows(tmp_path):
+def test_take_rows_permutes_or_picks_whole_rows(tmp_path):
     raw = random_blocks("Q4_K", 8, 256, seed=2)
     path = write_gguf(tmp_path / "p.gguf", {"w": (raw, T.Q4_K)})
     t = read_gguf_file(path)[0]["w"]
@@ -157,8 +157,13 @@ def test_take_rows_permutes_whole_rows(tmp_path):
         assert np.array_equal(got, want[order])
     twice = moved.take_rows(order)  # orders compose: row i is old row order[order[i]]
     assert np.array_equal(twice.unpack()[0], t.unpack()[0][order[order]])
+    # Some of the rows (a fused stack's halves): those rows, and their bytes only.
+    some = moved.take_rows(np.arange(4, 8))
+    assert some.shape == (4, 256) and some.nbytes == t.nbytes // 2
+    for got, want in zip(some.unpack(), t.unpack(), strict=True):
+        assert np.array_equal(got, want[order[4:]])
     with pytest.raises(ValueError):
-        t.take_rows(order[:4])
+        t.take_rows(np.array([0, 8]))
 
 
 def test_llama_qk_rows_unpermute_quantized_as_dense(tmp_path):

@@ -111,18 +111,8 @@ def _read_gguf(path: str, report: Progress) -> Checkpoint:
 
 
 def _split_gguf(config: dict, names: list[str], path: str) -> None:
-    """Refuse a GGUF model the ranks cannot split: another family, or experts the mapping
-    unpacks for every layer as the file is read (a fused gate-up stack is cut there), which
-    every rank would hold whole."""
+    """Refuse a GGUF model of a family the ranks do not split before any tensor is mapped."""
     _split_family(config, path)
-    fused = [n for n in names if n.endswith("ffn_gate_up_exps.weight")]
-    if fused:
-        raise UnsupportedArchitecture(
-            "its fused gate-up experts are unpacked for every layer as the file is read, so "
-            "each rank would hold all of them: split it from a Hugging Face directory",
-            path=path,
-            tensor=fused[0],
-        )
 
 
 def _split_family(config: dict, path: str):
