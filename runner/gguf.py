@@ -324,19 +324,19 @@ def _gpt2_tokenizer(meta: dict, path: str):
 
 
 def read_checkpoint(
-    path: str, report: Progress, check: Callable[[dict, list[str]], None] | None = None
+    path: str, report: Progress, check: Callable[[dict], object] | None = None
 ) -> tuple[dict, dict[str, Tensor], Tokenizer, str, ChatTemplate | None]:
     """(Hugging Face style config, tensors under Hugging Face names, tokenizer, name, chat
     template) of a GGUF file; the loader builds and loads the model from them as from a
     directory. Quantized tensors arrive as lazy ``GGUFQuantized`` objects (stacked experts
-    as a list of them, one per expert). ``check`` sees the config and the file's tensor
-    names first and may refuse them before any tensor is mapped."""
+    as a list of them, one per expert). ``check`` sees the config first and may refuse it
+    before any tensor is mapped."""
     report("read", 0, 1)
     weights, meta = read_gguf(path)
     report("read", 1, 1)
     config = gguf_config(meta, path)
     if check is not None:
-        check(config, list(weights))
+        check(config)
     tokenizer = gguf_tokenizer(meta, path)
     weights = map_gguf_tensors(weights, config, meta.get("general.architecture"))
     # Explicit both ways: Gemma ties by default, so a stored head must say it is its own.

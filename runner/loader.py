@@ -304,70 +304,68 @@ def keep_experts(model: nn.Module, weights: dict, base: str, spec: tuple[int, in
     """Move the stacked quantized experts ``base`` (mlx-lm's triple, ``[E, out, in]``) out of
     ``weights`` into their ``SwitchLinear`` as quantized expert panels, one expert unpacked at
     a time; False (left in ``weights``) where the gathered product does not take them."""
-    from runner.models.moe import SwitchLinear
-    from runner.native.quantized import halves_exactly, tensor_panels
+    from runner.native.quantized import halves_exactly
 
     group, bits = spec
     module = dict(model.named_modules()).get(base)
-    packed = weights[base + ".weight"]
-    outputs = packed.shape[1]
-    if not (
-        type(module) is SwitchLinear
-        and native.gathered_quantized_available()
-        and outputs % native.PANEL == 0
-        and (group == 16 or group % 32 == 0)
-    ):
+    if not _takes_experts(module, weights[base + ".weight"].shape[1], group):
         return False
     packed = weights.pop(base + ".weight")
     scales, biases = weights.pop(base + ".scales"), weights.pop(base + ".biases")
-    # One header format for every expert (they are stacked): float16 only if all fit.
     half = halves_exactly(np.array(scales.astype(mx.float32)), np.array(biases.astype(mx.float32)))
-    experts = []
-    for e in range(packed.shape[0]):
-        tensor = MlxAffine(packed[e], scales[e], biases[e], group, bits)
-        experts.append(tensor_panels(tensor, half=half))
-        mx.eval(experts[-1])
-    module._panels = mx.stack(experts)
-    mx.eval(module._panels)
-    module.output_dims = outputs
-    del module["weight"]
+    experts = [MlxAffine(packed[e], scales[e], biases[e], group, bits) for e in range(len(packed))]
+    _hold_experts(module, experts, half)
     return True
 
 
 def keep_expert_list(model: nn.Module, weights: dict, name: str) -> bool:
     """Move a GGUF file's stacked quantized experts ``name`` (one ``QuantizedTensor`` per
     expert, of one type) out of ``weights`` into their ``SwitchLinear`` as quantized expert
-    panels; False (left in ``weights``) where the gathered product does not take them."""
-    from runner.models.moe import SwitchLinear
-    from runner.native.quantized import halves_exactly, kernel_bits, to_qpanels
+    panels, one expert unpacked at a time; False (left in ``weights``) where the gathered
+    product does not take them."""
+    from runner.native.quantized import halves_exactly
 
     experts: list[QuantizedTensor] = weights[name]
     module = dict(model.named_modules()).get(name.rpartition(".")[0])
     first = experts[0]
     if not (
-        type(module) is SwitchLinear
-        and len(experts) == module.weight.shape[0]
+        _takes_experts(module, first.shape[0], first.group)
+        and tuple(module.weight.shape) == (len(experts), *first.shape)
         and all(e.shape == first.shape and e.kind == first.kind for e in experts)
-        and tuple(module.weight.shape[1:]) == tuple(first.shape)
-        and native.gathered_quantized_available()
-        and first.shape[0] % native.PANEL == 0
-        and (first.group == 16 or first.group % 32 == 0)
     ):
         return False
-    unpacked = [e.unpack() for e in experts]
-    # One header format for every expert (they are stacked): float16 only if all fit.
-    half = all(halves_exactly(scales, biases) for _, scales, biases in unpacked)
-    bits = kernel_bits(first.bits)
+    half = all(halves_exactly(*e.unpack()[1:]) for e in experts)
+    _hold_experts(module, weights.pop(name), half)
+    return True
+
+
+def _takes_experts(module: nn.Module | None, outputs: int, group: int) -> bool:
+    """Whether the gathered quantized product takes a ``SwitchLinear``'s experts of
+    ``outputs`` rows in groups of ``group``."""
+    from runner.models.moe import SwitchLinear
+
+    return (
+        type(module) is SwitchLinear
+        and native.gathered_quantized_available()
+        and outputs % native.PANEL == 0
+        and (group == 16 or group % 32 == 0)
+    )
+
+
+def _hold_experts(module: nn.Module, experts: list[QuantizedTensor], half: bool) -> None:
+    """Lay ``experts`` out as ``module``'s quantized expert panels (one header format for
+    them all, they are stacked: float16 only where every expert's fit, ``half``), one expert
+    unpacked at a time."""
+    from runner.native.quantized import tensor_panels
+
     panels = []
-    for values, scales, biases in unpacked:
-        panels.append(to_qpanels(values, scales, biases, bits, half=half))
+    for tensor in experts:
+        panels.append(tensor_panels(tensor, half=half))
         mx.eval(panels[-1])
-    del weights[name], unpacked
     module._panels = mx.stack(panels)
     mx.eval(module._panels)
-    module.output_dims = first.shape[0]
+    module.output_dims = experts[0].shape[0]
     del module["weight"]
-    return True
 
 
 def keep_in_panels(

@@ -38,7 +38,6 @@ forwards go, each bounded by the watchdog.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Sequence
 
@@ -198,13 +197,15 @@ class RemoteCaches(BaseCache):
         if not 0 <= start <= end <= self.offset:
             raise ValueError(f"cannot snapshot [{start}, {end}) of caches at offset {self.offset}")
         number = self.link.new_id()
-        command = Command(Op.SNAPSHOT, self.number, end - start, start, snap=number)
-        self.link.command(dataclasses.replace(command, part=self.part))
+        rows = end - start
+        self.link.command(
+            Command(Op.SNAPSHOT, self.number, rows, start, snap=number, part=self.part)
+        )
         return end, number
 
     def _restore_command(self, snap: RemoteSnapshot | RemoteState, to: int) -> None:
-        command = Command(Op.RESTORE, self.number, offset=to, snap=snap.number)
-        self.link.command(dataclasses.replace(command, part=self.part))
+        number, part = snap.number, self.part
+        self.link.command(Command(Op.RESTORE, self.number, offset=to, snap=number, part=part))
 
     def snapshot(self, start: int, end: int | None = None) -> RemoteSnapshot:
         end, number = self._snapshot_command(start, end)
@@ -361,8 +362,8 @@ class RemoteStates(RemoteCaches):
             return  # nothing pinned on the ranks either (a request without a prefix cache)
         size = self.link.state_bytes
         limit = None if budget is None or not size else min(budget // size, INT32_MAX)
-        command = Command(Op.PINS, self.number, len(order), -1 if limit is None else limit)
-        self.link.pins(dataclasses.replace(command, part=self.part), order)
+        most = -1 if limit is None else limit
+        self.link.pins(Command(Op.PINS, self.number, len(order), most, part=self.part), order)
         self._pins, self._pin_limit = {}, limit
         for p in order:
             self._pins[p] = None

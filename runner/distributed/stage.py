@@ -100,7 +100,7 @@ def read_checkpoint(path: str, report: Progress) -> Checkpoint:
 def _read_gguf(path: str, report: Progress) -> Checkpoint:
     """A GGUF file as the loader reads it (its tensors under Hugging Face names)."""
     loader.check_gguf(path)
-    refuse = functools.partial(_split_gguf, path=path)
+    refuse = functools.partial(_split_family, path=path)  # before any tensor is mapped
     config, tensors, tokenizer, name, template = gguf.read_checkpoint(path, report, refuse)
     module = _split_family(config, path)
     args = module.model_args(config, path)
@@ -108,11 +108,6 @@ def _read_gguf(path: str, report: Progress) -> Checkpoint:
     return Checkpoint(
         path, config, args, tensors, {}, tokenizer, str(name), module.Model, quantization, template
     )
-
-
-def _split_gguf(config: dict, names: list[str], path: str) -> None:
-    """Refuse a GGUF model of a family the ranks do not split before any tensor is mapped."""
-    _split_family(config, path)
 
 
 def _split_family(config: dict, path: str):
