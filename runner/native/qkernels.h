@@ -276,6 +276,11 @@ constexpr int fast_group(int m) {
 // saturating), then to int32 once per block (madd with ones). A 64-byte unit is two vectors:
 // columns 0-7 and 8-15 of the panel. The integers are the exact sums the AVX-512 paths
 // compute and the float operations are the same per column, in the same order: the same bits.
+//
+// Each unit is loaded and split into nibbles once for every level and row (the byte products
+// run on one port on some AVX2 cores, so the unpacking's instructions are what the loop can
+// shed), and a 4-bit unit's low and high nibble products share one int16 sum (at most
+// 8 * 2 * 15 * 127 < 2^15 over a block).
 
 // A block's 8 scales (at 0) or biases (at 1) of columns 8 h .. 8 h + 7 as float32.
 template <bool HALF>
@@ -298,8 +303,9 @@ static void fast_block(
     int64_t ldy,
     int64_t col0,
     int64_t width) {
-  constexpr int kPer = 32 / BITS;   // inputs per unit
-  constexpr int kUnits = AB / kPer; // units per activation block
+  constexpr int kPer = 32 / BITS;          // inputs per unit
+  constexpr int kUnits = AB / kPer;        // units per activation block
+  constexpr int kSums = BITS == 4 ? 1 : 2; // int16 sums per level, panel half and row
   static_assert((BITS == 4 ? 2 : 1) * kUnits <= 8, "int16 pair sums of a block stay below 2^15");
   const int64_t bb = block_bytes(sh.group, BITS, HALF);
   const int64_t pstride = sh.panel_bytes() * gap;
@@ -326,56 +332,73 @@ static void fast_block(
       const int64_t k0 = gi * sh.group + a * AB;
       const uint8_t* units =
           blk + header_bytes(HALF) + static_cast<int64_t>(a) * kUnits * kUnit;
-#pragma GCC unroll 8
-      for (int g = 0; g < G; ++g)
+      __m256i sums[kLevels][G][2][M][kSums];
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const uint8_t* base = units + g * pstride + 32 * h;
-          const __m256 s = header_vec<HALF>(blk + g * pstride, 0, h);
+      for (int l = 0; l < kLevels; ++l)
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g)
+          for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 8
+            for (int m = 0; m < M; ++m)
+              for (int t = 0; t < kSums; ++t) sums[l][g][h][m][t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int u = 0; u < kUnits; ++u) {
+        const int64_t k = k0 + u * kPer;
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
-          for (int l = 0; l < kLevels; ++l) {
-            __m256i lo16[M], hi16[M];
-#pragma GCC unroll 8
-            for (int m = 0; m < M; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int u = 0; u < kUnits; ++u) {
-              const __m256i v =
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + u * kUnit));
-              const __m256i lo = _mm256_and_si256(v, nib);
-              const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-              const int64_t k = k0 + u * kPer;
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(units + g * pstride + 32 * h + u * kUnit));
+            const __m256i lo = _mm256_and_si256(v, nib);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+#pragma GCC unroll 2
+            for (int l = 0; l < kLevels; ++l)
 #pragma GCC unroll 8
               for (int m = 0; m < M; ++m) {
                 const int8_t* xq = qr.row_q(r0 + m, l) + k;
                 int32_t xl, xh;
+                std::memcpy(&xl, xq, 4);
                 if constexpr (BITS == 4) {
                   // lanes' low nibbles are inputs 0 2 4 6, high ones 1 3 5 7 (packed_at)
-                  std::memcpy(&xl, xq, 4);
                   std::memcpy(&xh, xq + 4, 4);
                 } else {
-                  std::memcpy(&xl, xq, 4);
                   xh = xl;
                 }
-                const __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
-                lo16[m] = _mm256_add_epi16(lo16[m], _mm256_maddubs_epi16(lo, bl));
-                hi16[m] = _mm256_add_epi16(hi16[m], _mm256_maddubs_epi16(hi, bh));
+                const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl));
+                const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh));
+                __m256i* sum = sums[l][g][h][m];
+                if constexpr (BITS == 4) {
+                  sum[0] = _mm256_add_epi16(sum[0], _mm256_add_epi16(pl, ph));
+                } else {
+                  sum[0] = _mm256_add_epi16(sum[0], pl);
+                  sum[1] = _mm256_add_epi16(sum[1], ph);
+                }
               }
-            }
+          }
+      }
 #pragma GCC unroll 8
-            for (int m = 0; m < M; ++m) {
+      for (int g = 0; g < G; ++g)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256 s = header_vec<HALF>(blk + g * pstride, 0, h);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
+            for (int l = 0; l < kLevels; ++l) {
+              const __m256i* sum = sums[l][g][h][m];
               __m256i isum;
               if constexpr (BITS == 4) {
-                isum = _mm256_madd_epi16(_mm256_add_epi16(lo16[m], hi16[m]), ones);
+                isum = _mm256_madd_epi16(sum[0], ones);
               } else {
                 isum = _mm256_add_epi32(
-                    _mm256_madd_epi16(lo16[m], ones),
-                    _mm256_slli_epi32(_mm256_madd_epi16(hi16[m], ones), 4));
+                    _mm256_madd_epi16(sum[0], ones),
+                    _mm256_slli_epi32(_mm256_madd_epi16(sum[1], ones), 4));
               }
               const __m256 d = _mm256_set1_ps(qr.row_d(r0 + m, l)[k0 / AB]);
               acc[g][h][m] = _mm256_fmadd_ps(
                   _mm256_cvtepi32_ps(isum), _mm256_mul_ps(s, d), acc[g][h][m]);
             }
-          }
         }
     }
 #pragma GCC unroll 8
@@ -412,7 +435,7 @@ static void fast_block(
 // Panels read side by side by a block of m rows (see the AVX-512 version); AVX2's 16
 // registers hold fewer accumulators.
 constexpr int fast_group(int m) {
-  return m <= 1 ? 4 : (m <= 2 ? 2 : 1);
+  return m <= 2 ? 2 : 1;
 }
 
 #endif // QPANELS_AVX512 / QPANELS_AVX2
