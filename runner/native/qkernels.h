@@ -432,10 +432,11 @@ static void fast_block(
   }
 }
 
-// Panels read side by side by a block of m rows (see the AVX-512 version); AVX2's 16
-// registers hold fewer accumulators.
-constexpr int fast_group(int m) {
-  return m <= 2 ? 2 : 1;
+// One panel at a time for any row count (see the AVX-512 version): with 16 registers the
+// sums of a second panel spill, and on cores that multiply bytes on one port the product is
+// bound by those multiplies, not by how many streams the memory serves.
+constexpr int fast_group(int) {
+  return 1;
 }
 
 #endif // QPANELS_AVX512 / QPANELS_AVX2
