@@ -367,12 +367,13 @@ static void fast_block(
                 }
                 const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl));
                 const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh));
-                __m256i* sum = sums[l][g][h][m];
+                // indexed in place (a pointer to the sums would keep them in memory)
                 if constexpr (BITS == 4) {
-                  sum[0] = _mm256_add_epi16(sum[0], _mm256_add_epi16(pl, ph));
+                  sums[l][g][h][m][0] =
+                      _mm256_add_epi16(sums[l][g][h][m][0], _mm256_add_epi16(pl, ph));
                 } else {
-                  sum[0] = _mm256_add_epi16(sum[0], pl);
-                  sum[1] = _mm256_add_epi16(sum[1], ph);
+                  sums[l][g][h][m][0] = _mm256_add_epi16(sums[l][g][h][m][0], pl);
+                  sums[l][g][h][m][1] = _mm256_add_epi16(sums[l][g][h][m][1], ph);
                 }
               }
           }
@@ -386,14 +387,13 @@ static void fast_block(
           for (int m = 0; m < M; ++m)
 #pragma GCC unroll 2
             for (int l = 0; l < kLevels; ++l) {
-              const __m256i* sum = sums[l][g][h][m];
               __m256i isum;
               if constexpr (BITS == 4) {
-                isum = _mm256_madd_epi16(sum[0], ones);
+                isum = _mm256_madd_epi16(sums[l][g][h][m][0], ones);
               } else {
                 isum = _mm256_add_epi32(
-                    _mm256_madd_epi16(sum[0], ones),
-                    _mm256_slli_epi32(_mm256_madd_epi16(sum[1], ones), 4));
+                    _mm256_madd_epi16(sums[l][g][h][m][0], ones),
+                    _mm256_slli_epi32(_mm256_madd_epi16(sums[l][g][h][m][1], ones), 4));
               }
               const __m256 d = _mm256_set1_ps(qr.row_d(r0 + m, l)[k0 / AB]);
               acc[g][h][m] = _mm256_fmadd_ps(
