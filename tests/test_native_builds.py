@@ -7,8 +7,10 @@ result is the float32 panel product of the dequantized weight in the same build.
 extension holds one build, so this compiles a small program over the product headers twice,
 for this CPU (``-march=native``) and portable, runs both on the same seeded panels and rows
 (4 and 8 bits, groups 16 to 128, float16 and float32 headers, 1 to 20 rows, a partial last
-panel, two panel ranges as threads split them, all-255 values against all-one rows: the
-largest integer sums), and compares the printed floats.
+panel, two panel ranges as threads split them, all-255 values against all-one rows and
+against rows whose first level is -127 and -64 and whose second is +127: the largest integer
+sums of both signs in both levels), and compares the printed floats. On a CPU with AVX-512 it
+also builds the AVX2 kernel (``-mavx2``), which ``-march=native`` would not compile there.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ int main() {
   std::mt19937 rng(42);
   std::normal_distribution<float> normal;
   for (int bits : {4, 8}) for (int group : {16, 32, 64, 128}) for (int half : {0, 1})
-  for (int extreme : {0, 1}) {
+  for (int extreme : {0, 1, 2}) {
     const int K = 256, n = 16 * 5 + 3, NB = (n + 15) / 16;
     qpanels::Shape sh{K, group, bits, half != 0, NB, n};
     std::vector<uint8_t> p(NB * sh.panel_bytes());
@@ -46,9 +48,11 @@ int main() {
         }
       }
     }
-    for (int M : {1, 2, 3, 5, 8, 13, 20}) {
+    for (int M : {1, 2, 3, 5, 6, 8, 12, 13, 20}) {
       std::vector<float> x(M * K), fast(M * n), exact(M * n), widened(M * n);
-      for (auto& v : x) v = extreme ? 1.0f : normal(rng);
+      for (int i = 0; i < M * K; ++i)  // 2: levels -127 / -64 (first), 0 / +127 (second)
+        x[i] = extreme == 0 ? normal(rng) : extreme == 1 ? 1.0f
+            : i % 2 == 0 ? -1.0f : -(0.5f + 0.3f / 127.0f);
       qpanels::QuantRows rows;
       qpanels::quantize_rows(x.data(), K, M, sh, rows);
       // in two panel ranges, as threads split a product
@@ -65,6 +69,14 @@ int main() {
 """
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and flag in line.split() for line in info)
+    except OSError:
+        return False
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
@@ -78,6 +90,8 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[li
     source = tmp / "bits.cpp"
     source.write_text(PROGRAM)
     builds = {"native": ["-march=native"], "portable": ["-march=native", "-DSMALLROW_PORTABLE"]}
+    if _cpu_has("avx512bw") and _cpu_has("avx2"):  # the AVX2 kernel, which native skips here
+        builds["avx2"] = ["-mavx2", "-mfma", "-mf16c"]
     # The extension's flags: no contraction of separate multiplies and adds (CMakeLists.txt).
     common = ["-std=c++17", "-O2", "-ffp-contract=off", f"-I{NATIVE_DIR}"]
     procs = {
@@ -106,6 +120,11 @@ def test_fast_product_bits_do_not_depend_on_the_build(outputs):
     assert len(native) == len(portable) > 100000
     differ = sum(a[0] != b[0] for a, b in zip(native, portable, strict=True))
     assert differ == 0, f"{differ} fast-product values differ between {isa} and portable"
+    if "avx2" in outputs:
+        avx2, avx2_isa = outputs["avx2"]
+        assert avx2_isa == "avx2"
+        differ = sum(a[0] != b[0] for a, b in zip(avx2, portable, strict=True))
+        assert differ == 0, f"{differ} fast-product values differ between avx2 and portable"
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])
