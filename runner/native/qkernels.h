@@ -503,10 +503,10 @@ inline void matmul_fast(
     int64_t p0,
     int64_t p1) {
 #if defined(QPANELS_AVX512) || defined(QPANELS_AVX2)
-  // Rows in blocks as the float kernel splits them (evenly: 9 rows run as 5 + 4). The fewest
-  // rows read G panels at once, spaced a G-th of the range apart (G long sequential streams,
-  // which the memory serves faster than G adjacent panels); every row block uses the panels
-  // while in L1.
+  // Rows in blocks as the float kernel splits them (evenly: 9 rows run as 5 + 4). Where
+  // fast_group asks for it (AVX-512, the fewest rows), G panels are read at once, spaced a
+  // G-th of the range apart (G long sequential streams, which the memory serves faster than
+  // G adjacent panels); every row block uses the panels while in L1.
   int group = 1;
   for (int64_t r = 0; r < M; r += smallrow::block_size(M, r))
     group = std::max(group, fast_group(smallrow::block_size(M, r)));
