@@ -4,13 +4,14 @@ The fast product's contract (``runner/native/qkernels.h``) is that every build (
 or without VNNI, AVX2, portable) computes the same integers and the same float operations, so
 a model's output does not depend on the CPU that runs it; the exact product's is that its
 result is the float32 panel product of the dequantized weight in the same build. The
-extension holds one build, so this compiles a small program over the product headers twice,
-for this CPU (``-march=native``) and portable, runs both on the same seeded panels and rows
-(4 and 8 bits, groups 16 to 128, float16 and float32 headers, 1 to 20 rows, a partial last
-panel, two panel ranges as threads split them, all-255 values against all-one rows and
-against rows whose first level is -127 and -64 and whose second is +127: the largest integer
-sums of both signs in both levels), and compares the printed floats. On a CPU with AVX-512 it
-also builds the AVX2 kernel (``-mavx2``), which ``-march=native`` would not compile there.
+extension holds one build, so this compiles a small program over the product headers for
+this CPU (``-march=native``) and portable (and, on a CPU with AVX-512, for AVX2 as well:
+``-march=native`` would not compile that kernel there; its fast product is compared), runs
+them on the same seeded panels and rows (4 and 8 bits, groups 16 to 128, float16 and
+float32 headers, 1 to 20 rows, a partial last panel, two panel ranges as threads split them),
+among them all-255 values against the rows with the largest integer sums: all +1 and all -1
+(every first-level value +127 or -127), and rows whose second level is +127 on 31 of every
+32 inputs), and compares the printed floats.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ int main() {
   std::mt19937 rng(42);
   std::normal_distribution<float> normal;
   for (int bits : {4, 8}) for (int group : {16, 32, 64, 128}) for (int half : {0, 1})
-  for (int extreme : {0, 1, 2}) {
+  for (int extreme : {0, 1, 2, 3}) {
     const int K = 256, n = 16 * 5 + 3, NB = (n + 15) / 16;
     qpanels::Shape sh{K, group, bits, half != 0, NB, n};
     std::vector<uint8_t> p(NB * sh.panel_bytes());
@@ -50,9 +51,11 @@ int main() {
     }
     for (int M : {1, 2, 3, 5, 6, 8, 12, 13, 20}) {
       std::vector<float> x(M * K), fast(M * n), exact(M * n), widened(M * n);
-      for (int i = 0; i < M * K; ++i)  // 2: levels -127 / -64 (first), 0 / +127 (second)
-        x[i] = extreme == 0 ? normal(rng) : extreme == 1 ? 1.0f
-            : i % 2 == 0 ? -1.0f : -(0.5f + 0.3f / 127.0f);
+      // 1, 2: every first level +127 or -127; 3: first levels -127 once and -64 for the
+      // rest of each 32 inputs, second levels +127 there (what -64 leaves is 0.2 / 127)
+      for (int i = 0; i < M * K; ++i)
+        x[i] = extreme == 0 ? normal(rng) : extreme == 1 ? 1.0f : extreme == 2 ? -1.0f
+            : i % 32 == 0 ? -1.0f : -(0.5f + 0.3f / 127.0f);
       qpanels::QuantRows rows;
       qpanels::quantize_rows(x.data(), K, M, sh, rows);
       // in two panel ranges, as threads split a product

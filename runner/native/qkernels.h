@@ -432,9 +432,9 @@ static void fast_block(
   }
 }
 
-// One panel at a time for any row count (see the AVX-512 version): with 16 registers the
-// sums of a second panel spill, and on cores that multiply bytes on one port the product is
-// bound by those multiplies, not by how many streams the memory serves.
+// One panel at a time for any row count (see the AVX-512 version): a second panel doubles
+// the sums held, which already outgrow 16 registers, and on cores that multiply bytes on one
+// port the product is bound by those multiplies, not by how many streams the memory serves.
 constexpr int fast_group(int) {
   return 1;
 }
