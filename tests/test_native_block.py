@@ -310,14 +310,17 @@ def _row_threads(model: Model) -> set[int]:
 
 
 def test_row_attention_takes_the_decode_threads_and_keeps_its_bits(monkeypatch):
-    """``device.tune`` gives the row attention a decode step's threads (every core where the
-    model's quantized products take them), and a decode step over enough keys to split the
-    attention computes the bits of the one-thread attention."""
+    """``device.tune`` gives the row attention a decode step's threads (every core for a
+    quantized model where the fast product runs on vector kernels), the user's count where
+    one is set, and a decode step over enough keys to split the attention computes the bits
+    of the one-thread attention."""
     from runner import blas
 
+    monkeypatch.delenv("MTP_RUNNER_DECODE_THREADS", raising=False)
     cores = blas.decode_threads()
     assert _row_threads(_model("llama", "float")) == {cores}
-    assert _row_threads(_model("llama", "q4")) == {native.quantized_decode_threads(cores)}
+    quantized_threads = native.LARGE_M_THREADS if native.qpanels_fast() else cores
+    assert _row_threads(_model("llama", "q4")) == {quantized_threads}
     monkeypatch.setenv("MTP_RUNNER_DECODE_THREADS", "3")
     model = _model("llama", "q4")
     assert _row_threads(model) == {3}

@@ -83,7 +83,7 @@ def refusal(layer: nn.Module) -> str | None:
 def decode_threads(quantized: bool) -> int:
     """Threads for a decode step's products and the row attention between them: a decode
     step's (``runner.blas.decode_threads``), every core for quantized weights where their
-    product is compute-bound (``runner.native.quantized_decode_threads``)."""
+    product runs on vector kernels (``runner.native.quantized_decode_threads``)."""
     threads = blas.decode_threads()
     return native.quantized_decode_threads(threads) if quantized else threads
 

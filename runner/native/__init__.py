@@ -333,12 +333,14 @@ def qpanels_fast() -> bool:
 
 
 def quantized_decode_threads(default: int) -> int:
-    """Threads for a decode step's quantized products: ``default`` (the caller's choice for
-    memory-bound products, which leaves a core to build the next graph), or every core where
-    the fast product is bound by its arithmetic instead: AVX2 has no 4-byte integer dot
-    product, so a second core's share of the work outweighs the graph building it delays.
+    """Threads for a decode step's quantized products: every core wherever the fast product
+    runs on vector kernels, else ``default`` (the caller's choice for float32 products, which
+    leaves a core to build the next graph). A quantized step reads a fifth of a float32
+    step's bytes, so its products are short and bound by their arithmetic (AVX2 has no 4-byte
+    integer dot product; two int8 levels double AVX-512's): a second core's share of them
+    outweighs the graph building it delays, and it also splits a verify feed's extra rows.
     Where the user sets ``MTP_RUNNER_DECODE_THREADS``, ``default``."""
-    if qpanel_isa() == "avx2" and not _decode_threads_set():
+    if qpanels_fast() and not _decode_threads_set():
         return LARGE_M_THREADS
     return default
 

@@ -36,13 +36,17 @@ CONFIGS = {
         "env": {"MTP_RUNNER_BLAS": "mkl"},
         "args": ["--layout", "panels", "--keep-quantized", "--no-native-blocks"],
     },
-    "quantized panels, 2 decode threads": {
-        "env": {"MTP_RUNNER_BLAS": "mkl", "MTP_RUNNER_DECODE_THREADS": "2"},
-        "args": ["--layout", "panels", "--keep-quantized"],
-    },
     "quantized panels, exact products": {
         "env": {"MTP_RUNNER_BLAS": "mkl"},
         "args": ["--layout", "panels", "--keep-quantized", "--exact"],
+    },
+    "quantized panels, exact products, 1 decode thread": {
+        "env": {"MTP_RUNNER_BLAS": "mkl", "MTP_RUNNER_DECODE_THREADS": "1"},
+        "args": ["--layout", "panels", "--keep-quantized", "--exact"],
+    },
+    "quantized panels, 1 decode thread": {
+        "env": {"MTP_RUNNER_BLAS": "mkl", "MTP_RUNNER_DECODE_THREADS": "1"},
+        "args": ["--layout", "panels", "--keep-quantized"],
     },
     "MKL, packed": {"env": {"MTP_RUNNER_BLAS": "mkl"}, "args": ["--layout", "packed"]},
     "MKL, panels": {"env": {"MTP_RUNNER_BLAS": "mkl"}, "args": ["--layout", "panels"]},
