@@ -164,6 +164,10 @@ class MlxRoundOps:
                 self.constraint.rollback(consumed[0])
         if proposal is None:
             raise HostError("draft head was not ready to propose")
+        # Start the head's forward now: it computes while the verify feed's graph is built
+        # instead of after the feed's first layer is (that layer takes the drafts). A failure
+        # still surfaces in the verify feed, which tells the head's from the target's.
+        mx.async_eval(proposal.tokens)
         return proposal
 
     def _draft_constraint(self):

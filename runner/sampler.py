@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from runner import native
+
 _U64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 
@@ -143,17 +145,26 @@ def _rank_key(logits: mx.array) -> mx.array:
     return ordered * (1 << 32) + ((1 << 32) - 1 - ids)
 
 
+def _top_k_ids(logits: mx.array, k: int) -> mx.array:
+    """The ids (uint32 [R, k], ascending) of each row's k largest logits by ``_rank_key``:
+    ``runner.native``'s one pass over the row where it is built (the same array), else the
+    rank key's argpartition and a sort, which move the whole row."""
+    if native.top_k_ids_available() and logits.dtype == mx.float32:
+        return native.top_k_ids(logits, k)
+    v = logits.shape[-1]
+    ranked = mx.argpartition(_rank_key(logits), kth=v - k, axis=-1)
+    return mx.sort(ranked[:, v - k :], axis=-1)
+
+
 def filter_rows(
     logits: mx.array, top_k: int, top_p: float, min_p: float, temperature: float
 ) -> tuple[mx.array, mx.array | None]:
     """Top-k, temperature, top-p, min-p and renormalisation of penalised logits [R, V] (the
     module docstring's rules; ``top_k``/``top_p``/``min_p`` 0 = off): (probabilities [R, N],
     ids [R, N] in ascending order with top-k, else None and N = V)."""
-    v = logits.shape[-1]
     ids = None
     if top_k:
-        ranked = mx.argpartition(_rank_key(logits), kth=v - top_k, axis=-1)
-        ids = mx.sort(ranked[:, v - top_k :], axis=-1)
+        ids = _top_k_ids(logits, top_k)
         logits = mx.take_along_axis(logits, ids, axis=-1)
     probs = mx.softmax(logits / temperature, axis=-1)
     if top_p:

@@ -403,6 +403,25 @@ def row_attention(
     return _ext.row_attention(q, k, v, scale, threads)
 
 
+def top_k_ids_available() -> bool:
+    """Whether the compiled module has the sampler's one-pass top-k."""
+    return _ext is not None and hasattr(_ext, "top_k_ids")
+
+
+def top_k_ids(logits: mx.array, k: int) -> mx.array:
+    """Per row of float32 ``logits`` ``[R, V]`` the ids (uint32 ``[R, k]``, ascending) of the
+    ``k`` largest values, ties toward the lower id, -0.0 as 0.0 (``runner.sampler``'s top-k
+    rule): the same array as an argpartition of the sampler's rank key then a sort, from one
+    pass over each row. ``0 < k < V``, else a ``ValueError``. Raises RuntimeError without the
+    build (:func:`top_k_ids_available`)."""
+    if not top_k_ids_available():
+        raise RuntimeError(
+            "runner.native has no top-k: "
+            + (_reason or "rebuild it with `python -m runner.native.build`")
+        )
+    return _ext.top_k_ids(logits, k)
+
+
 def row_attention_quantized_available(dim: int) -> bool:
     """Whether the compiled module attends over packed quantized rows of head dim ``dim``."""
     return (

@@ -17,6 +17,7 @@
 #include "rows.h"
 #include "mlx/version.h"
 #include "smallrow.h"
+#include "topk.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -178,6 +179,15 @@ NB_MODULE(_smallrow, m) {
       "kv_heads"_a, "head_dim"_a, "eps"_a, "exact"_a, "threads"_a = 1, "stream"_a = nb::none(),
       "A decoder block after its attention for a few rows: x + attended @ o, then + the SiLU "
       "MLP of its RMSNorm (gate/up fused, gate columns first); returns [B, L, dim].");
+  m.def(
+      "top_k_ids",
+      &mtp_native::top_k_ids,
+      "logits"_a,
+      "k"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Per row of float32 logits [R, V] the ids (uint32 [R, k], ascending) of the k largest "
+      "values, ties toward the lower id: the sampler's argpartition of its rank key and sort.");
   m.def("qpanel_isa", &mtp_native::qpanel_isa, "The quantized fast product's integer path.");
   m.def("attention_isa", &mtp_native::attention_isa, "The attention kernel path compiled in.");
   m.def("isa", &mtp_native::isa, "The kernel path compiled in: avx512, avx2 or portable.");
