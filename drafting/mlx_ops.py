@@ -165,9 +165,13 @@ class MlxRoundOps:
         if proposal is None:
             raise HostError("draft head was not ready to propose")
         # Start the head's forward now: it computes while the verify feed's graph is built
-        # instead of after the feed's first layer is (that layer takes the drafts). A failure
-        # still surfaces in the verify feed, which tells the head's from the target's.
-        mx.async_eval(proposal.tokens)
+        # instead of after the feed's first layer is (that layer takes the drafts). A draft
+        # that fails to evaluate is left to the verify feed, which evaluates it again and
+        # tells the head's failure from the target's (DRAFT_EVAL_FAILED).
+        try:
+            mx.async_eval(proposal.tokens)
+        except Exception:  # reported by the verify feed
+            pass
         return proposal
 
     def _draft_constraint(self):

@@ -335,11 +335,11 @@ def qpanels_fast() -> bool:
 def quantized_decode_threads(default: int) -> int:
     """Threads for a decode step's quantized products: every core wherever the fast product
     runs on vector kernels, else ``default`` (the caller's choice for float32 products, which
-    leaves a core to build the next graph). A quantized step reads a fifth of a float32
-    step's bytes, so its products are short and bound by their arithmetic (AVX2 has no 4-byte
-    integer dot product; two int8 levels double AVX-512's): a second core's share of them
-    outweighs the graph building it delays, and it also splits a verify feed's extra rows.
-    Where the user sets ``MTP_RUNNER_DECODE_THREADS``, ``default``."""
+    leaves a core to build the next graph). A quantized step reads several times fewer bytes
+    than a float32 step, so its products are short and bound by their arithmetic (AVX2 has
+    no 4-byte integer dot product; two int8 levels double AVX-512's): a second core's share
+    of them outweighs the graph building it delays, and it also splits a verify feed's extra
+    rows. Where the user sets ``MTP_RUNNER_DECODE_THREADS``, ``default``."""
     if qpanels_fast() and not _decode_threads_set():
         return LARGE_M_THREADS
     return default
@@ -401,6 +401,23 @@ def row_attention(
             + (_reason or "rebuild it with `python -m runner.native.build`")
         )
     return _ext.row_attention(q, k, v, scale, threads)
+
+
+def qpanel_columns_available() -> bool:
+    """Whether the compiled module reads columns of quantized panels (embedding lookups)."""
+    return _ext is not None and hasattr(_ext, "qpanel_columns")
+
+
+def qpanel_columns(panels: mx.array, ids: mx.array) -> mx.array:
+    """Columns ``ids`` (int32 or uint32 ``[T]``) of the weight held as quantized ``panels``,
+    float32 ``[T, K]``, each value ``float32(s * q) + b`` (:func:`quantized.columns`, which
+    calls this where it can); an id outside the panels' columns gives a row of zeros."""
+    if not qpanel_columns_available():
+        raise RuntimeError(
+            "runner.native has no column reads: "
+            + (_reason or "rebuild it with `python -m runner.native.build`")
+        )
+    return _ext.qpanel_columns(panels, ids)
 
 
 def top_k_ids_available() -> bool:

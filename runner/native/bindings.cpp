@@ -180,6 +180,15 @@ NB_MODULE(_smallrow, m) {
       "A decoder block after its attention for a few rows: x + attended @ o, then + the SiLU "
       "MLP of its RMSNorm (gate/up fused, gate columns first); returns [B, L, dim].");
   m.def(
+      "qpanel_columns",
+      &mtp_native::qpanel_columns,
+      "panels"_a,
+      "ids"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Columns ids (int32 or uint32 [T]) of the weight held as quantized panels, float32 "
+      "[T, K], each value float32(s * q) + b; an id outside the panels gives zeros.");
+  m.def(
       "top_k_ids",
       &mtp_native::top_k_ids,
       "logits"_a,

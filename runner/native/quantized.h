@@ -45,6 +45,27 @@ class QPanelMatmul : public InferencePrimitive {
   int threads_;
 };
 
+// Columns `ids` (int32 or uint32, one dimension) of the weight W[K, N] held as quantized
+// panels, as float32 rows [T, K]: each value float32(s * q) + b, the dequantized weight's bits
+// (a tied embedding's lookups from its output projection's panels). An id outside the panels'
+// columns gives a row of zeros.
+mx::array qpanel_columns(const mx::array& panels, const mx::array& ids, mx::StreamOrDevice s = {});
+
+class QPanelColumns : public InferencePrimitive {
+ public:
+  explicit QPanelColumns(mx::Stream stream) : InferencePrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "QPanelColumns";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+};
+
 // The layout numbers of quantized panels [NB, K / group, header rows + group, 2 bits] for
 // n output columns; throws std::invalid_argument naming what does not fit.
 qpanels::Shape qpanel_layout(const mx::array& panels, int n);

@@ -80,7 +80,8 @@ void TopKIds::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     col_stride = static_cast<int64_t>(x.strides()[1]),
                     dst = out.data<uint32_t>(),
                     k = k_]() {
-    for (int64_t r = 0; r < rows; ++r) top_k_row(src + r * row_stride, col_stride, V, k, dst + r * k);
+    for (int64_t r = 0; r < rows; ++r)
+      top_k_row(src + r * row_stride, col_stride, V, k, dst + r * k);
   });
 }
 

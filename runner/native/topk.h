@@ -11,8 +11,8 @@
 namespace mtp_native {
 
 // logits: float32 [R, V], any strides; 0 < k < V. Returns uint32 [R, k]: per row the ids of
-// the k largest values, ties toward the lower id, -0.0 equal to 0.0 and NaN above +inf (the
-// order of the sampler's rank key: float bits made order-preserving, then the id descending),
+// the k largest values, ties toward the lower id, -0.0 equal to 0.0, a NaN above +inf or below -inf by
+// its sign bit (the order of the sampler's rank key: float bits made order-preserving, then the id descending),
 // sorted ascending.
 mx::array top_k_ids(const mx::array& logits, int k, mx::StreamOrDevice s = {});
 
