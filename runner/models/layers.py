@@ -56,7 +56,7 @@ def product(x: mx.array, wt: mx.array) -> mx.array:
 class PanelEmbedding(nn.Module):
     """An embedding table kept as the quantized panels of its transpose, the product a tied
     output projection runs (``[D, V]``, one column per token): a lookup reads each token's
-    column (``runner.native.quantized.columns``), so the table is stored once, quantized."""
+    column (``runner.native.qpanel_columns``), so the table is stored once, quantized."""
 
     def __init__(self, panels: mx.array, num_embeddings: int) -> None:
         super().__init__()
@@ -64,7 +64,7 @@ class PanelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
 
     def __call__(self, ids: mx.array) -> mx.array:
-        return native.quantized.columns(self._table, ids)
+        return native.qpanel_columns(self._table, ids)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return product(x, self._table)[..., : self.num_embeddings]

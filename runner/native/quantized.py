@@ -145,14 +145,10 @@ def layout(panels: mx.array) -> tuple[int, int, int, bool]:
 def columns(panels: mx.array, ids: mx.array) -> mx.array:
     """Columns ``ids`` of the weight ``[K, N]`` as float32 rows ``[*ids.shape, K]`` (a tied
     embedding's lookups from the output projection's panels), each value ``s * q + b`` as the
-    dequantized weight has it: one node of ``runner.native`` (``qpanel_columns``) where the
-    module is built, else MLX ops (a lookup reads one panel per id), the same values."""
+    dequantized weight has it. MLX ops: a lookup reads one panel per id
+    (``runner.native.qpanel_columns`` computes the same values in one node)."""
     k, group, bits, half = layout(panels)
     flat = ids.reshape(-1)
-    from runner import native  # imports this module first
-
-    if native.qpanel_columns_available() and flat.dtype in (mx.int32, mx.uint32):
-        return native.qpanel_columns(panels, flat).reshape(*ids.shape, k)
     lane = (flat % PANEL).astype(mx.uint32)
     blocks = panels[flat // PANEL]  # [T, groups, rows, 2 bits]
     t, groups = blocks.shape[0], blocks.shape[1]
