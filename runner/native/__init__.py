@@ -409,12 +409,12 @@ def qpanel_columns_available() -> bool:
 
 
 def qpanel_columns(panels: mx.array, ids: mx.array) -> mx.array:
-    """Columns ``ids`` (int32 or uint32, any shape) of the weight held as quantized
-    ``panels``, float32 ``[*ids.shape, K]``, each value ``float32(s * q) + b``: one node of
-    the compiled module where it is built (an id outside the panels' columns gives a row of
-    zeros; other id types are a ``ValueError``), else :func:`quantized.columns`' MLX ops, the
-    same values (a tied embedding's lookups, ``layers.PanelEmbedding``)."""
-    if not qpanel_columns_available():
+    """Columns ``ids`` (integers, any shape) of the weight held as quantized ``panels``,
+    float32 ``[*ids.shape, K]``, each value ``float32(s * q) + b``: for int32 and uint32 ids
+    one node of the compiled module where it is built (an id outside the panels' columns gives
+    a row of zeros), else :func:`quantized.columns`' MLX ops, the same values (a tied
+    embedding's lookups, ``layers.PanelEmbedding``)."""
+    if not qpanel_columns_available() or ids.dtype not in (mx.int32, mx.uint32):
         return quantized.columns(panels, ids)
     k = quantized.layout(panels)[0]
     return _ext.qpanel_columns(panels, ids.reshape(-1)).reshape(*ids.shape, k)
