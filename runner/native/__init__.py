@@ -416,7 +416,7 @@ def qpanel_columns(panels: mx.array, ids: mx.array) -> mx.array:
     embedding's lookups, ``layers.PanelEmbedding``)."""
     if not qpanel_columns_available() or ids.dtype not in (mx.int32, mx.uint32):
         return quantized.columns(panels, ids)
-    k = quantized.layout(panels)[0]
+    k = quantized.layout(panels)[0]  # refuses what is not quantized panels, by its shape
     return _ext.qpanel_columns(panels, ids.reshape(-1)).reshape(*ids.shape, k)
 
 

@@ -20,22 +20,34 @@ namespace {
   throw std::invalid_argument("[qpanel_columns] " + what);
 }
 
+// Column `col`'s scale (which 0) or bias (1) in a block's header, as float32.
+float header_at(const uint8_t* blk, bool half, int which, int col) {
+  const int64_t at = which * qpanels::kPanel + col;
+  if (half) {
+    uint16_t h;
+    std::memcpy(&h, blk + 2 * at, 2);
+    return qpanels::half_to_float(h);
+  }
+  float f;
+  std::memcpy(&f, blk + 4 * at, 4);
+  return f;
+}
+
 // Column `col` (0..15) of panel `panel`, every input, to `out` [K].
 void read_column(const uint8_t* panel, const qpanels::Shape& sh, int col, float* out) {
   const int per = qpanels::unit_inputs(sh.bits);
   const uint32_t mask = (1u << sh.bits) - 1;
   for (int64_t gi = 0; gi < sh.groups(); ++gi) {
     const uint8_t* blk = panel + gi * sh.block();
-    float s[qpanels::kPanel], b[qpanels::kPanel];
-    qpanels::read_header(blk, sh.half, s, b);
+    const float s = header_at(blk, sh.half, 0, col), b = header_at(blk, sh.half, 1, col);
     const uint8_t* values = blk + qpanels::header_bytes(sh.half);
     float* dst = out + gi * sh.group;
     for (int k = 0; k < sh.group; ++k) {
       uint32_t lane;
       std::memcpy(&lane, values + static_cast<int64_t>(k / per) * qpanels::kUnit + 4 * col, 4);
       const float q = static_cast<float>((lane >> ((k % per) * sh.bits)) & mask);
-      const float sq = q * s[col]; // two roundings, as the dequantized weight has them
-      dst[k] = sq + b[col];
+      const float sq = q * s; // two roundings, as the dequantized weight has them
+      dst[k] = sq + b;
     }
   }
 }
