@@ -40,7 +40,10 @@ given the one before, EWMAs (bias-corrected at first) from optimistic-enough pri
 long match gets tried; and the cost of verifying r rows relative to a plain step, a line
 fitted to the suffix rounds' timings (``cost_line``). The expected committed tokens of a k-token
 draft, ``1 + sum_i P1 c^(i-1)``, over the cost of k + 1 rows is the draft's rate; the driver
-takes it when it beats plain decoding and the head's rate at its chosen depth.
+takes it when it beats plain decoding and the head's rate at its chosen depth. A bucket's
+rates are never taken below a shorter match's that rests on verdicts: a bucket whose
+estimate fell below the cost of drafting would otherwise never draft again, whatever its
+matches have become.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ NEXT_PRIOR = 0.85
 NEXT_TRUSTED = 10
 NEXT_OPTIMISTIC = 0.95
 ACCEPT_ALPHA = 0.1
+# Verdicts a bucket needs before its estimates bound the longer matches' from below.
+FLOOR_SEEN = 8
 PLAIN_ALPHA = 0.1
 # Cost of r verify rows relative to one plain step: a line a + s (r - 1) fitted by weighted
 # least squares to the suffix rounds' timings, older ones fading by COST_DECAY per round, so
@@ -313,8 +318,17 @@ class SuffixModel:
                 self._next[bucket] += alpha * ((accepted >= i) - self._next[bucket])
 
     def expected(self, bucket: int, k: int) -> float:
-        """Expected committed tokens of a round drafting k tokens from ``bucket``."""
+        """Expected committed tokens of a round drafting k tokens from ``bucket``: its
+        estimates, or a shorter match's where that bucket has ``FLOOR_SEEN`` verdicts and
+        higher estimates (a longer match holds the shorter one, so its draft is at least as
+        likely: two early misses in a bucket that then never drafts again cannot shut out
+        the longest matches, the best copies)."""
         first, rest = self._first[bucket], self._next[bucket]
+        for lower in range(bucket):
+            if self._first_seen[lower] >= FLOOR_SEEN:
+                first = max(first, self._first[lower])
+            if self._next_seen[lower] >= FLOOR_SEEN:
+                rest = max(rest, self._next[lower])
         if self._next_seen[bucket] < NEXT_TRUSTED:
             rest = max(rest, NEXT_OPTIMISTIC)
         total, run = 1.0, first

@@ -150,6 +150,24 @@ def test_acceptance_moves_the_chosen_length():
     assert model.expected(bucket, 4) < 1.5
 
 
+def test_early_misses_cannot_shut_out_the_longest_matches():
+    """Two rejected drafts in the longest-match bucket before any other verdict would price
+    its drafts below plain decoding for good (it never drafts again, so never learns); a
+    bucket's rates are never below a shorter match's."""
+    model = SuffixModel()
+    top, below = len(BUCKETS) - 1, len(BUCKETS) - 2
+    for _ in range(2):
+        model.observe(top, 8, 0)
+    assert model.best_length(top, 15)[0] == 0  # nothing else known: its own estimate
+    for _ in range(40):
+        model.observe(below, 12, 12)
+    shorter, rate = model.best_length(below, 15)
+    assert model.best_length(top, 15) == (shorter, rate) and shorter >= 8
+    for _ in range(40):
+        model.observe(below, 6, 0)  # a shorter match going bad lowers the longer one too
+    assert model.best_length(top, 15)[0] < shorter
+
+
 def test_costs_are_a_line_fitted_to_the_rounds_timed():
     model = SuffixModel()
     prior = suffix_module.ROW_BASE + 4 * suffix_module.ROW_SLOPE
