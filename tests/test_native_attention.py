@@ -156,17 +156,22 @@ def test_row_attention_matches_a_float64_causal_softmax(shape):
 
 
 @pytest.mark.skipif(not native.row_attention_available(), reason="no row attention")
-@pytest.mark.parametrize("dim", [32, 24])
-def test_each_row_is_the_one_row_call_over_its_keys(dim):
+@pytest.mark.parametrize("dim, rows, keys", [(32, 7, 50), (24, 7, 50), (64, 19, 83)])
+def test_each_row_is_the_one_row_call_over_its_keys(dim, rows, keys):
     """Row i of an L-row call equals, bit for bit, the one-row call a decode step makes over
-    the keys up to its position: what makes verify rows plain decoding's."""
-    q, k, v = operands(1, 6, 2, 7, 50, dim, seed=3)
-    cache_k = mx.concatenate([k, mx.zeros_like(k)], axis=2)[:, :, :50]  # a buffer's view
+    the keys up to its position: what makes verify rows plain decoding's. Rows are attended
+    in tiles of a group's consecutive rows (19 rows of 3 heads a group: 57, more than one
+    tile, each row's key count odd or even, whole and partial blocks of keys)."""
+    q, k, v = operands(1, 6, 2, rows, keys, dim, seed=3)
+    cache_k = mx.concatenate([k, mx.zeros_like(k)], axis=2)[:, :, :keys]  # a buffer's view
     together = np.asarray(native.row_attention(q, cache_k, v, scale=0.2))
-    for i in range(7):
-        keys = 50 - 7 + i + 1
+    for threads in (2, 3):
+        split = native.row_attention(q, cache_k, v, scale=0.2, threads=threads)
+        assert np.array_equal(np.asarray(split), together), threads
+    for i in range(rows):
+        seen = keys - rows + i + 1
         alone = native.row_attention(
-            q[:, :, i : i + 1], cache_k[:, :, :keys], v[:, :, :keys], scale=0.2
+            q[:, :, i : i + 1], cache_k[:, :, :seen], v[:, :, :seen], scale=0.2
         )
         assert np.array_equal(np.asarray(alone)[:, :, 0], together[:, :, i]), i
     # A head dimension that is not unit-stride: q stored [B, H, D, L] and viewed transposed.

@@ -92,73 +92,135 @@ struct QuantRows {
 };
 
 // Scores of keys [j, j + 16), times scale, key r in lane r (rows past n - 1 read the last
-// key again). C = D / 16 chunks of the head dimension, lane-wise products summed over the
+// key again). C = D / 16 chunks of the head dimension, lane-wise multiply-adds (fused) over the
 // chunks, then the folds: a key's score is the same bits in any block and at any lane.
 template <int C, typename K>
 [[gnu::always_inline]] inline V16 score_block(
     const V16* qv, const K& k, int64_t j, int64_t n, float scale) {
-  V16 a[16];
-  for (int r = 0; r < 16; ++r) {
+  auto key = [&](int r) {
     const int64_t row = std::min<int64_t>(j + r, n - 1);
     V16 acc = qv[0] * k.load(row, 0);
-    for (int c = 1; c < C; ++c) acc += qv[c] * k.load(row, c);
-    a[r] = acc;
+    for (int c = 1; c < C; ++c) acc = fma16(qv[c], k.load(row, c), acc);
+    return acc;
+  };
+  // Each fold as soon as its two operands exist (the same tree), so that at most a few
+  // partial vectors are live at once instead of all 16 keys' (which spill).
+  V16 c4[4], d2[2];
+  for (int i = 0; i < 4; ++i) {
+    const V16 b0 = fold8(key(4 * i), key(4 * i + 1));
+    const V16 b1 = fold8(key(4 * i + 2), key(4 * i + 3));
+    c4[i] = fold4(b0, b1);
   }
-  V16 b[8], c4[4], d2[2];
-  for (int i = 0; i < 8; ++i) b[i] = fold8(a[2 * i], a[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) c4[i] = fold4(b[2 * i], b[2 * i + 1]);
   for (int i = 0; i < 2; ++i) d2[i] = fold2(c4[2 * i], c4[2 * i + 1]);
   return fold1(d2[0], d2[1]) * scale;
 }
 
-// One query row against keys [0, n) of one group, D = 16 * C: out[D] = softmax(scale q k^T) v.
-// The weighted sum runs two accumulator sets (even and odd keys) so consecutive keys do not
-// wait on one another's additions; they are added once at the end.
+// Query rows attended together: up to kTile rows over one group's keys and values, each
+// block of keys read from memory once for all of them (then from L1): attended alone, each
+// row streams its group's whole key and value prefix from L2, and a verify feed's rows and a
+// group's heads would read it once per row. Every row keeps its own operations and their
+// order (the block structure below), so a row's bits do not depend on the rows beside it.
+constexpr int kTile = 16;
+constexpr int64_t kValueKeys = 64; // keys per pass of the weighted sum (even: whole pairs)
+
+struct TileRow {
+  const float* q; // D features
+  int64_t n; // keys [0, n)
+  float* scores; // n floats of scratch
+  float* out; // D features
+};
+
+// Rows of one group, D = 16 * C: out[D] = softmax(scale q k^T) v over each row's keys.
+// Per row: scores of whole blocks of 16 keys (their lane-wise maximum kept), then the last
+// partial block (whose lanes past n are not used); the maximum of the kept lanes, then of the
+// partial block's scores in order; exponentials and their sum in key order; the weighted sum
+// in two accumulator sets (even and odd keys, so consecutive keys do not wait on one
+// another's additions), added once at the end. The sum of the exponentials as below.
 template <int C, typename K>
-void attend_row_vec(
-    const float* q, const K& k, const K& v, int64_t n, float scale, float* scores, float* out) {
-  V16 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
-  V16 top = splat16(-INFINITY);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const V16 s = score_block<C>(qv, k, j, n, scale);
-    std::memcpy(scores + j, &s, sizeof s);
-    top = greater_of(top, s);
+void attend_tile_vec(const TileRow* rows, int count, const K& k, const K& v, float scale) {
+  V16 top[kTile];
+  int64_t most = 0;
+  for (int t = 0; t < count; ++t) {
+    top[t] = splat16(-INFINITY);
+    most = std::max(most, rows[t].n);
   }
-  float best = -INFINITY;
-  for (int r = 0; r < 16; ++r) best = std::max(best, top[r]);
-  if (j < n) {
-    const V16 s = score_block<C>(qv, k, j, n, scale);
-    for (int64_t r = 0; r < n - j; ++r) {
-      scores[j + r] = s[r];
-      best = std::max(best, s[r]);
+  for (int64_t j = 0; j < most; j += 16) {
+    for (int t = 0; t < count; ++t) {
+      const TileRow& r = rows[t];
+      if (j >= r.n) continue;
+      V16 qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = load16(r.q + 16 * c);
+      const V16 s = score_block<C>(qv, k, j, r.n, scale);
+      if (j + 16 <= r.n) {
+        std::memcpy(r.scores + j, &s, sizeof s);
+        top[t] = greater_of(top[t], s);
+      } else {
+        for (int64_t i = 0; i < r.n - j; ++i) r.scores[j + i] = s[i];
+      }
     }
   }
-  int64_t e = 0;
-  for (; e + 16 <= n; e += 16) {
-    const V16 x = exp2_nonpositive(load16(scores + e) - best);
-    std::memcpy(scores + e, &x, sizeof x);
+  float total[kTile];
+  for (int t = 0; t < count; ++t) {
+    const TileRow& r = rows[t];
+    float* scores = r.scores;
+    const int64_t n = r.n;
+    float best = -INFINITY;
+    for (int i = 0; i < 16; ++i) best = std::max(best, top[t][i]);
+    for (int64_t i = n - n % 16; i < n; ++i) best = std::max(best, scores[i]);
+    // The exponentials' sum: lane-wise over whole blocks, then the 16 lanes in order, then
+    // the last partial block's in key order (a sum key by key waits on each addition).
+    V16 lanes = splat16(0.0f);
+    int64_t e = 0;
+    for (; e + 16 <= n; e += 16) {
+      const V16 x = exp2_nonpositive(load16(scores + e) - best);
+      std::memcpy(scores + e, &x, sizeof x);
+      lanes += x;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < 16; ++i) sum += lanes[i];
+    for (; e < n; ++e) {
+      scores[e] = flash::exp2_nonpositive(scores[e] - best);
+      sum += scores[e];
+    }
+    total[t] = sum;
   }
-  for (; e < n; ++e) scores[e] = flash::exp2_nonpositive(scores[e] - best);
-  float total = 0.0f;
-  for (int64_t i = 0; i < n; ++i) total += scores[i];
-  V16 even[C], odd[C];
-  for (int c = 0; c < C; ++c) even[c] = odd[c] = splat16(0.0f);
-  j = 0;
-  for (; j + 2 <= n; j += 2) {
-    const float p0 = scores[j], p1 = scores[j + 1];
+  V16 even[kTile][C], odd[kTile][C];
+  for (int t = 0; t < count; ++t)
+    for (int c = 0; c < C; ++c) even[t][c] = odd[t][c] = splat16(0.0f);
+  for (int64_t j0 = 0; j0 < most; j0 += kValueKeys) {
+    for (int t = 0; t < count; ++t) {
+      const TileRow& r = rows[t];
+      const int64_t end = std::min(j0 + kValueKeys, r.n - r.n % 2); // whole pairs
+      if (j0 >= end) continue;
+      V16 ev[C], od[C];
+      for (int c = 0; c < C; ++c) {
+        ev[c] = even[t][c];
+        od[c] = odd[t][c];
+      }
+      for (int64_t j = j0; j < end; j += 2) {
+        const float p0 = r.scores[j], p1 = r.scores[j + 1];
+        const V16 w0 = splat16(p0), w1 = splat16(p1);
+        for (int c = 0; c < C; ++c) {
+          ev[c] = fma16(w0, v.load(j, c), ev[c]);
+          od[c] = fma16(w1, v.load(j + 1, c), od[c]);
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        even[t][c] = ev[c];
+        odd[t][c] = od[c];
+      }
+    }
+  }
+  for (int t = 0; t < count; ++t) {
+    const TileRow& r = rows[t];
+    if (r.n % 2)
+      for (int c = 0; c < C; ++c)
+        even[t][c] = fma16(splat16(r.scores[r.n - 1]), v.load(r.n - 1, c), even[t][c]);
+    const float inv = 1.0f / total[t];
     for (int c = 0; c < C; ++c) {
-      even[c] += p0 * v.load(j, c);
-      odd[c] += p1 * v.load(j + 1, c);
+      const V16 o = (even[t][c] + odd[t][c]) * inv;
+      std::memcpy(r.out + 16 * c, &o, sizeof o);
     }
-  }
-  if (j < n)
-    for (int c = 0; c < C; ++c) even[c] += scores[j] * v.load(j, c);
-  const float inv = 1.0f / total;
-  for (int c = 0; c < C; ++c) {
-    const V16 r = (even[c] + odd[c]) * inv;
-    std::memcpy(out + 16 * c, &r, sizeof r);
   }
 }
 
@@ -190,54 +252,55 @@ void attend_row_scalar(
   for (int d = 0; d < D; ++d) out[d] *= inv;
 }
 
-// One query row against keys [0, n) (scores in log2 units: e**x is 2**(x log2 e)).
-// attend_row_vec for D = 16 * C where a vector kernel exists (keys and values as float rows or
-// packed quantized rows); false for any other D.
+// A tile of rows (scores in log2 units: e**x is 2**(x log2 e)): attend_tile_vec for
+// D = 16 * C where a vector kernel exists (keys and values as float rows or packed quantized
+// rows); false for any other D.
 template <typename K>
-bool attend_row_vec_any(
-    const float* q, const K& k, const K& v, int64_t n, int D, float scale, float* scores,
-    float* out) {
+bool attend_tile_any(const TileRow* rows, int count, const K& k, const K& v, int D, float scale) {
   switch (D) {
     case 16:
-      return attend_row_vec<1>(q, k, v, n, scale, scores, out), true;
+      return attend_tile_vec<1>(rows, count, k, v, scale), true;
     case 32:
-      return attend_row_vec<2>(q, k, v, n, scale, scores, out), true;
+      return attend_tile_vec<2>(rows, count, k, v, scale), true;
     case 64:
-      return attend_row_vec<4>(q, k, v, n, scale, scores, out), true;
+      return attend_tile_vec<4>(rows, count, k, v, scale), true;
     case 80:
-      return attend_row_vec<5>(q, k, v, n, scale, scores, out), true;
+      return attend_tile_vec<5>(rows, count, k, v, scale), true;
     case 96:
-      return attend_row_vec<6>(q, k, v, n, scale, scores, out), true;
+      return attend_tile_vec<6>(rows, count, k, v, scale), true;
     case 128:
-      return attend_row_vec<8>(q, k, v, n, scale, scores, out), true;
+      return attend_tile_vec<8>(rows, count, k, v, scale), true;
     case 256:
-      return attend_row_vec<16>(q, k, v, n, scale, scores, out), true;
+      return attend_tile_vec<16>(rows, count, k, v, scale), true;
     default:
       return false;
   }
 }
 
-// One query row over float rows: the vector kernel, else the scalar one (any D).
-void attend_one(
-    const float* q, const FloatRows& k, const FloatRows& v, int64_t n, int D, float scale,
-    float* scores, float* out) {
-  if (!attend_row_vec_any(q, k, v, n, D, scale, scores, out))
-    attend_row_scalar(q, k.p, k.s, v.p, v.s, n, D, scale, scores, out);
+// A tile over float rows: the vector kernel, else the scalar one row by row (any D).
+void attend_tile(
+    const TileRow* rows, int count, const FloatRows& k, const FloatRows& v, int D, float scale) {
+  if (attend_tile_any(rows, count, k, v, D, scale)) return;
+  for (int t = 0; t < count; ++t)
+    attend_row_scalar(rows[t].q, k.p, k.s, v.p, v.s, rows[t].n, D, scale, rows[t].scores,
+                      rows[t].out);
 }
 
-// One query row over packed quantized rows (D one of the vector sizes, checked by the op).
+// A tile over packed quantized rows (D one of the vector sizes, checked by the op).
 template <int Bits>
-void attend_one(
-    const float* q, const QuantRows<Bits>& k, const QuantRows<Bits>& v, int64_t n, int D,
-    float scale, float* scores, float* out) {
-  attend_row_vec_any(q, k, v, n, D, scale, scores, out);
+void attend_tile(
+    const TileRow* rows, int count, const QuantRows<Bits>& k, const QuantRows<Bits>& v, int D,
+    float scale) {
+  attend_tile_any(rows, count, k, v, D, scale);
 }
 
 // Every query row of q [B, H, L, D] (the last L positions of T keys, each row over the keys up
 // to its own) against its group's keys and values, ``rows(b, g)`` giving them as a pair. The
-// B * H * L rows are items split in contiguous runs over up to `threads` parts: each item is
-// attend_one alone, so which part computes it does not change its bits. A split wakes the
-// pool's workers, which pays only past kSplitWork multiply-adds (a few microseconds' work).
+// B * H * L rows are items split in contiguous runs over up to `threads` parts, each run in
+// tiles of consecutive items of one group (a group's heads and rows are consecutive items);
+// a row's bits do not depend on its tile, so neither the split nor the tiles change them. A
+// split wakes the pool's workers, which pays only past kSplitWork multiply-adds (a few
+// microseconds' work).
 constexpr int64_t kSplitWork = 1 << 16;
 
 template <typename RowsOf>
@@ -250,16 +313,23 @@ void attend_rows(
   const int64_t parts =
       work < kSplitWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(threads, items));
   // Every part's scores allocated here: a part (on a worker) must not allocate or throw.
-  std::vector<float> scores(static_cast<size_t>(parts * T));
+  std::vector<float> scores(static_cast<size_t>(parts * kTile * T));
   run_parts(parts, [&](int64_t t) {
-    float* own = scores.data() + t * T;
-    for (int64_t item = items * t / parts; item < items * (t + 1) / parts; ++item) {
-      const int i = static_cast<int>(item % L);
-      const int h = static_cast<int>(item / L % H);
-      const int b = static_cast<int>(item / L / H);
-      const auto [kr, vr] = rows(b, h / per_group);
-      const float* qi = qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2;
-      attend_one(qi, kr, vr, T - L + i + 1, D, log2_scale, own, y + item * D);
+    float* own = scores.data() + t * kTile * T;
+    const int64_t last = items * (t + 1) / parts;
+    for (int64_t item = items * t / parts; item < last;) {
+      const int64_t bg = item / L / per_group; // b * G + g
+      TileRow tile[kTile];
+      int count = 0;
+      for (; count < kTile && item < last && item / L / per_group == bg; ++item, ++count) {
+        const int i = static_cast<int>(item % L);
+        const int h = static_cast<int>(item / L % H);
+        const int b = static_cast<int>(item / L / H);
+        tile[count] = {qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2, T - L + i + 1,
+                       own + count * T, y + item * D};
+      }
+      const auto [kr, vr] = rows(static_cast<int>(bg / G), static_cast<int>(bg % G));
+      attend_tile(tile, count, kr, vr, D, log2_scale);
     }
   });
 }
