@@ -146,12 +146,40 @@ inline int64_t packed_at(int64_t k, int bits) {
 }
 
 // One level: the block's values (`r`, ab of them) as int8 q with scale d = max|r| / 127; `r`
-// keeps what the level leaves, r - d q (float32 ops). Vector builds compute 8 values at a time
-// with the same operations (the maximum is exact in any order; rounding to nearest-even as
-// nearbyint does in the default mode; the clamps as std::min / std::max order them): the same
-// bits as the scalar loop, which portable builds run.
-inline float quantize_level(float* r, int ab, int8_t* q, int bits, int64_t k0) {
-#if !defined(SMALLROW_PORTABLE) && defined(__AVX2__)
+// keeps what the level leaves, r - d q (float32 ops); `isum` gets the sum of the q. Vector
+// builds compute 16 (AVX-512) or 8 (AVX2) values at a time with the same operations (the
+// maximum is exact in any order; rounding to nearest-even as nearbyint does in the default
+// mode; the clamps as std::min / std::max order them; integer sums exact): the same bits as
+// the scalar loop, which portable builds run.
+inline float quantize_level(float* r, int ab, int8_t* q, int bits, int64_t k0, int32_t& isum) {
+#if !defined(SMALLROW_PORTABLE) && defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 vmax = _mm512_setzero_ps();
+  for (int i = 0; i < ab; i += 16)
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(r + i)));
+  const float vd = _mm512_reduce_max_ps(vmax) / 127.0f;
+  const __m512 d16 = _mm512_set1_ps(vd), inv16 = _mm512_set1_ps(vd > 0.0f ? 1.0f / vd : 0.0f);
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  // 4-bit panels take each 8 inputs as 0 2 4 6 1 3 5 7 (packed_at)
+  const __m512i order =
+      bits == 4 ? _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
+                : _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i sums = _mm512_setzero_si512();
+  for (int i = 0; i < ab; i += 16) {
+    const __m512 x = _mm512_loadu_ps(r + i);
+    __m512 v = _mm512_roundscale_ps(
+        _mm512_mul_ps(x, inv16), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    const __m512i vi = _mm512_cvtps_epi32(v);
+    sums = _mm512_add_epi32(sums, vi);
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(q + i),
+        _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(order, vi)));
+    _mm512_storeu_ps(r + i, _mm512_sub_ps(x, _mm512_mul_ps(d16, v)));
+  }
+  isum = _mm512_reduce_add_epi32(sums);
+  (void)k0;
+  return vd;
+#elif !defined(SMALLROW_PORTABLE) && defined(__AVX2__)
   __m256 vmax = _mm256_setzero_ps();
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int i = 0; i < ab; i += 8)
@@ -166,17 +194,23 @@ inline float quantize_level(float* r, int ab, int8_t* q, int bits, int64_t k0) {
   // 4-bit panels take each 8 inputs as 0 2 4 6 1 3 5 7 (packed_at)
   const __m256i order = bits == 4 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
                                   : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i sums = _mm256_setzero_si256();
   for (int i = 0; i < ab; i += 8) {
     const __m256 x = _mm256_loadu_ps(r + i);
     __m256 v = _mm256_round_ps(
         _mm256_mul_ps(x, inv8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
     const __m256i vi = _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(v), order);
+    sums = _mm256_add_epi32(sums, vi);
     const __m128i w16 =
         _mm_packs_epi32(_mm256_castsi256_si128(vi), _mm256_extracti128_si256(vi, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w16, w16));
     _mm256_storeu_ps(r + i, _mm256_sub_ps(x, _mm256_mul_ps(d8, v)));
   }
+  int32_t parts[8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts), sums);
+  isum = 0;
+  for (int32_t part : parts) isum += part;
   (void)k0;
   return vd;
 #else
@@ -184,10 +218,12 @@ inline float quantize_level(float* r, int ab, int8_t* q, int bits, int64_t k0) {
   for (int i = 0; i < ab; ++i) amax = std::max(amax, std::fabs(r[i]));
   const float d = amax / 127.0f;
   const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+  isum = 0;
   for (int i = 0; i < ab; ++i) {
     float v = std::nearbyint(r[i] * inv);
     v = std::min(127.0f, std::max(-127.0f, v));
     q[packed_at(k0 + i, bits) - k0] = static_cast<int8_t>(v);
+    isum += static_cast<int32_t>(v);
     const float dv = d * v;
     r[i] = r[i] - dv;
   }
@@ -200,10 +236,13 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t M, const Shape& s
   out.K = sh.K;
   out.blocks = sh.K / ab;
   out.groups = sh.groups();
-  out.q.assign(static_cast<size_t>(M) * kLevels * sh.K, 0);
-  out.d.assign(static_cast<size_t>(M) * kLevels * out.blocks, 0.0f);
-  out.sx.assign(static_cast<size_t>(M) * out.groups, 0.0f);
+  // Every value, scale and sum below is written: no need to clear what a reused row held.
+  out.q.resize(static_cast<size_t>(M) * kLevels * sh.K);
+  out.d.resize(static_cast<size_t>(M) * kLevels * out.blocks);
+  out.sx.resize(static_cast<size_t>(M) * out.groups);
+  std::vector<int32_t> isums(static_cast<size_t>(out.blocks) * kLevels);
   float r[kActBlock];
+  const int per_group = sh.group / ab;
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * ldx;
     for (int64_t a = 0; a < out.blocks; ++a) {
@@ -211,24 +250,21 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t M, const Shape& s
       std::memcpy(r, xr + k0, ab * sizeof(float));
       for (int l = 0; l < kLevels; ++l) {
         int8_t* q = out.q.data() + (m * kLevels + l) * sh.K + k0;
-        out.d[(m * kLevels + l) * out.blocks + a] = quantize_level(r, ab, q, sh.bits, k0);
+        out.d[(m * kLevels + l) * out.blocks + a] =
+            quantize_level(r, ab, q, sh.bits, k0, isums[a * kLevels + l]);
       }
     }
     // The bias term takes the sum of the quantized inputs, not of x: with it the rounding
     // errors of the inputs cancel against those of the value term (w = s q + b has a large
     // b = -s (midpoint) for most formats, so an exact sum here leaves s (q - mid) times them
     // uncancelled: several times the error).
-    const int per_group = sh.group / ab;
     for (int64_t gi = 0; gi < out.groups; ++gi) {
       float s = 0.0f;
       for (int a = 0; a < per_group; ++a) {
         const int64_t blk = gi * per_group + a;
-        for (int l = 0; l < kLevels; ++l) {
-          const int8_t* q = out.q.data() + (m * kLevels + l) * sh.K + blk * ab;
-          int32_t isum = 0;
-          for (int i = 0; i < ab; ++i) isum += q[i];
-          s = std::fma(out.d[(m * kLevels + l) * out.blocks + blk], static_cast<float>(isum), s);
-        }
+        for (int l = 0; l < kLevels; ++l)
+          s = std::fma(out.d[(m * kLevels + l) * out.blocks + blk],
+                       static_cast<float>(isums[blk * kLevels + l]), s);
       }
       out.sx[m * out.groups + gi] = s;
     }
