@@ -35,10 +35,12 @@ sides. Every so often the controller probes a depth next to its choice for five 
 middle three are timed: a parked controller would otherwise never re-measure the cost of
 drafting), one deeper and one shallower in turn (parked, always deeper); the interval starts at
 4 rounds and doubles after each probe that did not change the choice, up to 256, and snaps back
-to 4 when the choice changes. A probe of a position whose trusted rate is under 0.1 lasts one
-round: it only watches for the head starting to work (such a rate cannot pay for any cost a
-depth-1 round can have), so a useless head costs one drafted round per interval, not five. A
-depth in range that has no cost sample yet is drafted before anything else (cost seeding).
+to 4 when the choice changes and when a request starts (the acceptance learned on earlier
+requests' text need not hold for this one's). A probe of a position whose trusted rate is
+under 0.1 lasts one round: it only watches for the head starting to work (such a rate cannot
+pay for any cost a depth-1 round can have), so a useless head costs one drafted round per
+interval, not five. A depth in range that has no cost sample yet is drafted before anything
+else (cost seeding).
 
 The constants were tuned with ``scripts/bench/sim_depth.py`` (simulated rounds with measured
 relative costs, per-round noise, a drifting speed and per-prompt acceptance).
@@ -110,6 +112,16 @@ class DepthController:
         """Forget the round clock: the gap between requests is not a round's cost."""
         with self._lock:
             self._round_start = self._round_depth = self._before_depth = None
+
+    def new_request(self) -> None:
+        """A request starts: forget the round clock, and probe again soon. The acceptance
+        learned on earlier requests need not hold for this one's text (a head parked by code
+        edits drafts well in chat), and probes that backed off to ``PROBE_MAX`` rounds would
+        leave most of a request to the earlier estimate."""
+        with self._lock:
+            self._round_start = self._round_depth = self._before_depth = None
+            if not self._probing:
+                self._probe_interval = PROBE_FIRST
 
     def round_elsewhere(self) -> None:
         """Another drafter's round runs now: no cost sample may span it."""
@@ -322,7 +334,7 @@ class RequestDepth:
     def __init__(self, controller: DepthController | None) -> None:
         self.controller = controller
         if controller is not None:
-            controller.begin_request()
+            controller.new_request()
 
     @property
     def enabled(self) -> bool:

@@ -116,6 +116,24 @@ def test_probes_back_off_to_the_cap_and_snap_back_when_drafting_pays():
     assert sim.controller.state()["probe_interval"] == PROBE_FIRST
 
 
+def test_a_new_request_probes_again_soon():
+    """Probes backed off to the cap while parked start over at each request: a head parked by
+    one kind of text gets tried early on the next request's, whose acceptance may differ."""
+    sim = Sim(steep, 0.3, max_depth=4)
+    sim.run(3000)
+    assert sim.controller.selected() == 0
+    assert sim.controller.state()["probe_interval"] == PROBE_MAX
+    sim.session = sim.controller.for_request()  # the next request
+    assert sim.controller.state()["probe_interval"] == PROBE_FIRST
+    assert 1 in sim.run(2 * PROBE_FIRST)  # a probe within its first rounds
+    sim.rate = 0.95  # this request's text suits the head
+    for _ in range(PROBE_MAX):
+        sim.round()
+        if sim.controller.selected() > 0:
+            break
+    assert sim.controller.selected() >= 1
+
+
 def test_a_parked_controller_remeasures_the_cost_of_drafting_on_probes():
     # Depth 1 looks expensive at first (warm-up), then gets cheaper than its acceptance
     # needs; only the timed second round of each probe can tell the parked controller.
