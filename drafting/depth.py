@@ -36,11 +36,11 @@ middle three are timed: a parked controller would otherwise never re-measure the
 drafting), one deeper and one shallower in turn (parked, always deeper); the interval starts at
 4 rounds and doubles after each probe that did not change the choice, up to 256, and snaps back
 to 4 when the choice changes and when a request starts (the acceptance learned on earlier
-requests' text need not hold for this one's). A probe of a position whose trusted rate is
-under 0.1 lasts one round: it only watches for the head starting to work (such a rate cannot
-pay for any cost a depth-1 round can have), so a useless head costs one drafted round per
-interval, not five. A depth in range that has no cost sample yet is drafted before anything
-else (cost seeding).
+requests' text need not hold for this one's), unless position 1 is trusted to be useless. A
+probe of a position whose trusted rate is under 0.1 lasts one round: it only watches for the
+head starting to work (such a rate cannot pay for any cost a depth-1 round can have), so a
+useless head costs one drafted round per interval, not five. A depth in range that has no
+cost sample yet is drafted before anything else (cost seeding).
 
 The constants were tuned with ``scripts/bench/sim_depth.py`` (simulated rounds with measured
 relative costs, per-round noise, a drifting speed and per-prompt acceptance).
@@ -117,10 +117,13 @@ class DepthController:
         """A request starts: forget the round clock, and probe again soon. The acceptance
         learned on earlier requests need not hold for this one's text (a head parked by code
         edits drafts well in chat), and probes that backed off to ``PROBE_MAX`` rounds would
-        leave most of a request to the earlier estimate."""
+        leave most of a request to the earlier estimate. Not for a head trusted to be
+        useless (its first position under ``EXTEND_ABOVE``): no text makes a random head
+        draft well, and each probe breaks the pipelined plain loop."""
         with self._lock:
             self._round_start = self._round_depth = self._before_depth = None
-            if not self._probing:
+            useless = self._seen[1] >= TRUSTED_AFTER and self._rate[1] < EXTEND_ABOVE
+            if not self._probing and not useless:
                 self._probe_interval = PROBE_FIRST
 
     def round_elsewhere(self) -> None:

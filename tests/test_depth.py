@@ -132,6 +132,11 @@ def test_a_new_request_probes_again_soon():
         if sim.controller.selected() > 0:
             break
     assert sim.controller.selected() >= 1
+    useless = Sim(steep, 0.0, max_depth=4)  # a random head: no request makes it draft
+    useless.run(3000)
+    assert useless.controller.state()["probe_interval"] == PROBE_MAX
+    useless.session = useless.controller.for_request()
+    assert useless.controller.state()["probe_interval"] == PROBE_MAX
 
 
 def test_a_parked_controller_remeasures_the_cost_of_drafting_on_probes():
