@@ -119,11 +119,13 @@ class DepthController:
         edits drafts well in chat), and probes that backed off to ``PROBE_MAX`` rounds would
         leave most of a request to the earlier estimate. Not for a head trusted to be
         useless (its first position under ``EXTEND_ABOVE``): no text makes a random head
-        draft well, and each probe breaks the pipelined plain loop."""
+        draft well, and each probe breaks the pipelined plain loop (the trade-off: a real head
+        that some text drove that low waits for the backed-off probes)."""
         with self._lock:
             self._round_start = self._round_depth = self._before_depth = None
             useless = self._seen[1] >= TRUSTED_AFTER and self._rate[1] < EXTEND_ABOVE
-            if not self._probing and not useless:
+            if not useless:  # a probe the last request left unfinished ends here
+                self._probing, self._probe_left = False, 0
                 self._probe_interval = PROBE_FIRST
 
     def round_elsewhere(self) -> None:

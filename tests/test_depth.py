@@ -132,6 +132,12 @@ def test_a_new_request_probes_again_soon():
         if sim.controller.selected() > 0:
             break
     assert sim.controller.selected() >= 1
+    parked = Sim(steep, 0.3, max_depth=4)  # a request that ends in the middle of a probe
+    parked.run(3000)
+    while parked.round() == 0:
+        pass
+    parked.session = parked.controller.for_request()
+    assert parked.controller.state()["probe_interval"] == PROBE_FIRST
     useless = Sim(steep, 0.0, max_depth=4)  # a random head: no request makes it draft
     useless.run(3000)
     assert useless.controller.state()["probe_interval"] == PROBE_MAX

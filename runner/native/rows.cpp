@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -312,16 +313,20 @@ void attend_rows(
   const int64_t work = items * T * D; // at most: rows see up to T keys
   const int64_t parts =
       work < kSplitWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(threads, items));
-  // Every part's scores allocated here: a part (on a worker) must not allocate or throw.
-  std::vector<float> scores(static_cast<size_t>(parts * kTile * T));
+  // Every part's scores allocated here: a part (on a worker) must not allocate or throw. A
+  // tile holds at most one group's rows, and every score a row reads it wrote first, so the
+  // buffer is neither larger than that nor cleared (a long context's decode step would pay
+  // for both on every call).
+  const int64_t tile_rows = std::min<int64_t>(kTile, static_cast<int64_t>(per_group) * L);
+  std::unique_ptr<float[]> scores(new float[static_cast<size_t>(parts * tile_rows * T)]);
   run_parts(parts, [&](int64_t t) {
-    float* own = scores.data() + t * kTile * T;
+    float* own = scores.get() + t * tile_rows * T;
     const int64_t last = items * (t + 1) / parts;
     for (int64_t item = items * t / parts; item < last;) {
       const int64_t bg = item / L / per_group; // b * G + g
       TileRow tile[kTile];
       int count = 0;
-      for (; count < kTile && item < last && item / L / per_group == bg; ++item, ++count) {
+      for (; count < tile_rows && item < last && item / L / per_group == bg; ++item, ++count) {
         const int i = static_cast<int>(item % L);
         const int h = static_cast<int>(item / L % H);
         const int b = static_cast<int>(item / L / H);

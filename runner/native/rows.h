@@ -1,7 +1,9 @@
 // MLX primitive for the attention of a few query rows (decode steps, verify rows): each row
-// attends over the keys up to its own position, one row at a time with the same code
-// whatever the row count, so row i of an L-row call is bit-for-bit the one-row call that
-// decoding that token alone makes. One primitive replaces the five-op composition per row.
+// attends over the keys up to its own position with its own operations in its own order,
+// whatever the row count (rows of one group are taken in tiles that share their reads of the
+// keys and values, never an operation), so row i of an L-row call is bit-for-bit the one-row
+// call that decoding that token alone makes. One primitive replaces the five-op composition
+// per row.
 
 #pragma once
 
@@ -14,8 +16,8 @@ namespace mtp_native {
 // q: float32 [B, H, L, D]; k, v: float32 [B, G, T, D] (G divides H; head h reads group
 // h / (H / G)), L <= T, any strides with unit stride along D. Row i sits at position
 // T - L + i and sees keys 0 .. T - L + i. Returns float32 [B, H, L, D]. `threads` splits the
-// query rows (b, h, i) over the process's workers when there is enough work; every row is
-// still computed alone by the same code, so the bits do not depend on it.
+// query rows (b, h, i) over the process's workers when there is enough work; every row keeps
+// its own operations whatever its tile or part, so the bits do not depend on it.
 mx::array row_attention(
     const mx::array& q,
     const mx::array& k,
