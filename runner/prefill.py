@@ -49,12 +49,24 @@ class _CancelledInChunk(Exception):
     """A cancel seen between the layers of a chunk (``_LayerPoll``): the chunk is rewound."""
 
 
-def chunk_ends(start: int, end: int, chunk: int) -> list[int]:
-    """Absolute offsets where prefill chunks of at most ``chunk`` tokens end.
+def chunk_ends(start: int, end: int, chunk: int, opening: int = 0) -> list[int]:
+    """Absolute offsets where prefill chunks of at most ``chunk`` tokens end; with
+    ``opening``, a chunk also ends there wherever the prompt crosses it.
 
     Chunks need not end at prefix-cache snapshot points: KV snapshots are ranges of the live
-    buffers, taken when the request closes."""
-    return [*range(start + chunk, end, chunk), end]
+    buffers, taken when the request closes. The engine's prefill ends a chunk at
+    ``ROW_BY_ROW`` (``opening``): a feed of at most that many rows attends row by row, each
+    row as a one-token step computes it, and a longer one in blocks, whose rows differ in
+    their last bits. So the first positions of every sequence are computed one way, and a
+    prompt that resumes a cached prefix of them (the chat template's opening, which every
+    prompt shares) computes the bits it would compute cold: otherwise the opening takes the
+    bits of whichever prompt put it in the cache, and a short prompt's greedy answer can
+    depend on whether a long one ran before it."""
+    ends = []
+    if start < opening < end:
+        ends = [*range(start + chunk, opening, chunk), opening]
+        start = opening
+    return [*ends, *range(start + chunk, end, chunk), end]
 
 
 def takes_layer_hook(model) -> bool:
@@ -238,7 +250,8 @@ class ChunkedPrefill:
     """One prompt's prefill over one set of caches, resumable between scheduler steps.
 
     ``position`` is where the caches rest (the end of the last whole chunk), ``pending`` the
-    tokens still to feed. ``run`` raises ``Cancelled`` with the caches rewound to
+    tokens still to feed, ``opening`` a position where a chunk ends too (``chunk_ends``).
+    ``run`` raises ``Cancelled`` with the caches rewound to
     ``position``; ``rewind`` drops a chunk begun layer by layer (a cancel seen between
     steps)."""
 
@@ -252,6 +265,7 @@ class ChunkedPrefill:
         chunk: int,
         cancelled: Callable[[], bool] = lambda: False,
         on_commit: CommitHook | None = None,
+        opening: int = 0,
     ) -> None:
         self.model = model
         self.caches = caches
@@ -259,7 +273,7 @@ class ChunkedPrefill:
         self.position = position
         self.cancelled = cancelled
         self.on_commit = on_commit
-        self._ends = chunk_ends(position, position + len(self.pending), chunk)
+        self._ends = chunk_ends(position, position + len(self.pending), chunk, opening)
         self._open: _OpenChunk | None = None
         # Seconds of budget given and not yet spent, for a model fed whole chunks (``run``).
         self._credit = 0.0

@@ -147,3 +147,8 @@ def test_chunk_ends():
     assert chunk_ends(3, 10, 4) == [7, 10]
     assert chunk_ends(0, 4, 512) == [4]
     assert chunk_ends(0, 8, 4) == [4, 8]
+    # With an opening, a chunk ends there too wherever a prompt crosses it.
+    assert chunk_ends(0, 600, 512, 16) == [16, 528, 600]
+    assert chunk_ends(3, 40, 512, 16) == [16, 40]
+    assert chunk_ends(0, 40, 12, 16) == [12, 16, 28, 40]
+    assert chunk_ends(16, 40, 512, 16) == [40] and chunk_ends(0, 16, 512, 16) == [16]

@@ -588,3 +588,30 @@ def test_a_model_without_the_layer_hook_probes_a_whole_chunk_with_the_same_bits(
     for way in (True, False):
         for a, b in zip(probed, run(way), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_short_prompt_resuming_a_long_ones_opening_computes_its_cold_bits(default_model):
+    """Every chat prompt starts with the template's opening, so a short prompt often resumes
+    it from the prefix cache, cached there by whatever prompt came first. A long prompt's
+    first chunk ends at ``ROW_BY_ROW`` (``chunk_ends``), so the opening is computed row by row
+    as a short prompt computes it cold: the short prompt's logprobs are the same bits after a
+    long prompt ran as on a fresh engine (before, a greedy answer could change token)."""
+    from runner.engine import Engine, EngineOptions
+    from tests.test_engine import complete
+
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    short = chat.format("Why is the sky blue?")
+    long_prompt = chat.format("The weather report for the coast, hour by hour. " * 30)
+    options = {"temperature": 0, "num_predict": 6, "logprobs": True, "top_logprobs": 3}
+
+    def answer(engine):
+        _, _, done, frames = complete(engine, short, **options)
+        return [(f.tokens, f.logprobs) for f in frames], done.prompt_cached_tokens
+
+    cold, cached = answer(Engine(EngineOptions(model_path=default_model)))
+    assert cached == 0
+    warm = Engine(EngineOptions(model_path=default_model))
+    complete(warm, long_prompt, temperature=0, num_predict=1)
+    resumed, cached = answer(warm)
+    assert cached > 0  # the opening came from the long prompt's cache entry
+    assert resumed == cold
