@@ -35,6 +35,7 @@ from runner.heads import load_draft_head
 from runner.images import ImageLayout
 from runner.loader import LoadedModel, load_model
 from runner.models import feed_dependent
+from runner.models.attention import ROW_BY_ROW
 from runner.models.gemma4_assistant import find_assistant
 from runner.prepare import Prepared, RequestError, RequestPreparer
 from runner.stream import Stream
@@ -252,6 +253,14 @@ class Engine:
         if self.feed_dependent:
             return self.loaded.context_length
         return self.options.prefill_chunk
+
+    @property
+    def opening(self) -> int:
+        """Where every prompt's first prefill chunk ends (``runner.prefill.chunk_ends``): the
+        rows a short feed attends row by row, so a cached chat-template opening holds the bits
+        any prompt computes cold; 0 for a feed-dependent model (its prompt goes in one
+        forward, and it keeps no prefix cache)."""
+        return 0 if self.feed_dependent else ROW_BY_ROW
 
     def _parallel(self, wanted: int) -> tuple[int, str]:
         """How many completions decode at once, and why fewer than ``wanted``."""

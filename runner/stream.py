@@ -34,7 +34,6 @@ from runner.cache_slot import CacheSlot
 from runner.constraint import AfterThinking
 from runner.decoder import ConstrainedDecoder, DecodeLoop, PlainDecoder, PlainLoop, Sampled
 from runner.emit import Emitter, logprob_frame
-from runner.models.attention import ROW_BY_ROW
 from runner.prefill import Cancelled, ChunkedPrefill
 from runner.prepare import Prepared
 from runner.sampler import Sampler
@@ -123,7 +122,7 @@ class Stream:
             chunk=engine.chunk,
             cancelled=cancelled,
             on_commit=on_commit,
-            opening=ROW_BY_ROW,  # every prompt's opening rows computed one way (chunk_ends)
+            opening=engine.opening,  # every prompt's opening rows computed one way
         )
 
     # ------------------------------------------------------------------ prefill
