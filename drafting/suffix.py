@@ -318,11 +318,19 @@ class SuffixModel:
                 self._next[bucket] += alpha * ((accepted >= i) - self._next[bucket])
 
     def expected(self, bucket: int, k: int) -> float:
-        """Expected committed tokens of a round drafting k tokens from ``bucket``: its
-        estimates, or a shorter match's where that bucket has ``FLOOR_SEEN`` verdicts and
-        higher estimates (a longer match holds the shorter one, so its draft is at least as
-        likely: two early misses in a bucket that then never drafts again cannot shut out
-        the longest matches, the best copies)."""
+        """Expected committed tokens of a round drafting k tokens from ``bucket``."""
+        first, rest = self._rates(bucket)
+        total, run = 1.0, first
+        for _ in range(k):
+            total += run
+            run *= rest
+        return total
+
+    def _rates(self, bucket: int) -> tuple[float, float]:
+        """``(P1, c)`` of ``bucket``: its estimates, or a shorter match's where that bucket
+        has ``FLOOR_SEEN`` verdicts and higher estimates (a longer match holds the shorter
+        one, so its draft is at least as likely: two early misses in a bucket that then never
+        drafts again cannot shut out the longest matches, the best copies)."""
         first, rest = self._first[bucket], self._next[bucket]
         for lower in range(bucket):
             if self._first_seen[lower] >= FLOOR_SEEN:
@@ -331,11 +339,7 @@ class SuffixModel:
                 rest = max(rest, self._next[lower])
         if self._next_seen[bucket] < NEXT_TRUSTED:
             rest = max(rest, NEXT_OPTIMISTIC)
-        total, run = 1.0, first
-        for _ in range(k):
-            total += run
-            run *= rest
-        return total
+        return first, rest
 
     # -- costs ----------------------------------------------------------------------------
 
@@ -388,11 +392,20 @@ class SuffixModel:
     def best_length(self, bucket: int, available: int) -> tuple[int, float]:
         """The draft length (at most ``available``) with the best rate, and that rate in
         committed tokens per plain step's time."""
+        # Asked before every plain step where the text was seen: the rates, the cost line and
+        # the expected tokens (a running sum over the lengths) are each computed once here.
+        first, rest = self._rates(bucket)
+        base, slope = self.cost_line()
         best, best_rate = 0, 1.0
+        total, run, summed = 1.0, first, 0
         for k in LENGTHS:
             if k > available:
                 break
-            rate = self.expected(bucket, k) / self.relative_cost(k + 1)
+            for _ in range(k - summed):
+                total += run
+                run *= rest
+            summed = k
+            rate = total / max(base + slope * k, 1.0)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, best_rate

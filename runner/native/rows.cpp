@@ -134,9 +134,10 @@ struct TileRow {
 // Rows of one group, D = 16 * C: out[D] = softmax(scale q k^T) v over each row's keys.
 // Per row: scores of whole blocks of 16 keys (their lane-wise maximum kept), then the last
 // partial block (whose lanes past n are not used); the maximum of the kept lanes, then of the
-// partial block's scores in order; exponentials and their sum in key order; the weighted sum
-// in two accumulator sets (even and odd keys, so consecutive keys do not wait on one
-// another's additions), added once at the end. The sum of the exponentials as below.
+// partial block's scores in order; the exponentials, summed lane-wise over whole blocks, then
+// the 16 lanes in order, then the partial block's in key order; the weighted sum in two
+// accumulator sets (even and odd keys, so consecutive keys do not wait on one another's
+// additions), added once at the end.
 template <int C, typename K>
 void attend_tile_vec(const TileRow* rows, int count, const K& k, const K& v, float scale) {
   V16 top[kTile];
@@ -168,8 +169,7 @@ void attend_tile_vec(const TileRow* rows, int count, const K& k, const K& v, flo
     float best = -INFINITY;
     for (int i = 0; i < 16; ++i) best = std::max(best, top[t][i]);
     for (int64_t i = n - n % 16; i < n; ++i) best = std::max(best, scores[i]);
-    // The exponentials' sum: lane-wise over whole blocks, then the 16 lanes in order, then
-    // the last partial block's in key order (a sum key by key waits on each addition).
+    // A sum key by key would wait on each addition: lane-wise first (the order above).
     V16 lanes = splat16(0.0f);
     int64_t e = 0;
     for (; e + 16 <= n; e += 16) {
