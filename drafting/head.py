@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from runner.sampler import Columns
+
 
 @dataclass
 class HeadConfig:
@@ -97,10 +99,15 @@ class MTPHead(nn.Module):
             self._vocab_ids = None
             self._draft_out = None
             self._vocab_size = None
+            self._columns = None
             return
         weight = self._output_weight()
         self._vocab_size = int(weight.shape[0])
         self._vocab_ids = mx.array(ids, dtype=mx.int32)
+        try:  # a sampler draws from the draft vocabulary's columns as they are
+            self._columns = Columns(ids, self._vocab_size)
+        except ValueError:  # repeated ids: drafts draw from the scattered full row
+            self._columns = None
         # A product of the head's own linear type (not a parameter: it is the target's rows),
         # so device tuning lays it out, and quantizes it, like the head's other products.
         out = self._linear(weight.shape[1], len(ids), bias=False)
@@ -116,6 +123,12 @@ class MTPHead(nn.Module):
     @property
     def draft_vocab_ids(self) -> mx.array | None:
         return self._vocab_ids
+
+    @property
+    def draft_columns(self) -> Columns | None:
+        """The draft vocabulary as the sampler's :class:`runner.sampler.Columns` (the logits of
+        :meth:`logits` drawn without scattering them into the vocabulary), or None."""
+        return self._columns
 
     def __call__(
         self,

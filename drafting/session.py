@@ -35,9 +35,11 @@ class Sampler(Protocol):
     """What ``propose`` needs from ``runner.sampler.Sampler`` (see docs/INTERNALS.md): the
     request's draw of the token at a slot (``drafting.accept``: the head drafts with the same
     noise the target draws with). A sampler whose ``greedy`` is true and ``penalises`` false
-    (both optional) gets the head's argmax over its draft vocabulary directly."""
+    (both optional) gets the head's argmax over its draft vocabulary directly; for a head
+    with a draft vocabulary of distinct ids the logits are that vocabulary's, described by
+    ``columns`` (``runner.sampler.Columns``; not passed otherwise)."""
 
-    def tokens(self, logits: mx.array, chain: Any, *, slot: int) -> mx.array: ...
+    def tokens(self, logits: mx.array, chain: Any, *, slot: int, **columns: Any) -> mx.array: ...
 
 
 class Head(Protocol):
@@ -228,6 +230,7 @@ class DraftSession:
             self.cache.rewind(self._offset)
         y = self._held
         argmax = getattr(sampler, "greedy", False) and not getattr(sampler, "penalises", True)
+        columns = getattr(self.head, "draft_columns", None)
         drafts: list[mx.array] = []
         for step in range(k):
             if step:
@@ -241,11 +244,17 @@ class DraftSession:
             if argmax and allowed is None:  # the greedy draw, from the draft vocabulary only
                 drafts.append(self.head.argmax_draft(y[0, -1:], self.unembed).reshape(1))
                 continue
-            logits = self.head.draft_logits(y[0, -1:], self.unembed)
+            chain = mx.concatenate(drafts) if drafts else mx.zeros((0,), dtype=mx.int32)
+            if columns is None:
+                logits = self.head.draft_logits(y[0, -1:], self.unembed)
+                drawn = {}
+            else:  # drawn from the draft vocabulary's own logits, no full-vocabulary row
+                logits = self.head.logits(y[0, -1:], self.unembed)
+                allowed = None if allowed is None else allowed[self.head.draft_vocab_ids]
+                drawn = {"columns": columns}
             if allowed is not None:
                 logits = mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))
-            chain = mx.concatenate(drafts) if drafts else mx.zeros((0,), dtype=mx.int32)
-            drafts.append(sampler.tokens(logits, chain, slot=slot + step).reshape(1))
+            drafts.append(sampler.tokens(logits, chain, slot=slot + step, **drawn).reshape(1))
         return Proposal(tokens=mx.concatenate(drafts), slot=slot)
 
     # -- internals --------------------------------------------------------------------------

@@ -124,6 +124,31 @@ class SamplingParams:
         return self.temperature <= 0
 
 
+class Columns:
+    """Logits over part of the vocabulary: column j of a row is token ``ids[j]`` (distinct ids
+    in any order; the draft head's vocabulary, most frequent first). The sampler reads such a
+    row in ascending id order, so its draw is the draw from the full row with every other
+    token at -inf: the same top-k and ties, the same kept probabilities in the same order,
+    the same noise per id (when at least top-k of the columns are finite; with fewer, or
+    without top-k, the same distribution, whose sums may round differently), at the cost of
+    the columns instead of the vocabulary."""
+
+    def __init__(self, ids: Sequence[int], vocab_size: int) -> None:
+        ids = [int(t) for t in ids]
+        if len(set(ids)) != len(ids) or not all(0 <= t < vocab_size for t in ids):
+            raise ValueError(f"columns must be distinct ids in [0, {vocab_size})")
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        self.count = len(ids)
+        self.order = mx.array(order, dtype=mx.int32)  # ascending id order of the columns
+        self.ids = mx.array([ids[j] for j in order], dtype=mx.int32)  # ascending
+        # Each token id's place in the ascending row; every other id (and the penalty
+        # window's padding id, vocab_size) goes to a dropped column at ``count``.
+        inverse = [self.count] * (vocab_size + 1)
+        for place, j in enumerate(order):
+            inverse[ids[j]] = place
+        self.inverse = mx.array(inverse, dtype=mx.int32)
+
+
 def _as_tokens(token) -> mx.array:
     """A python int, sequence or (lazy) array of token ids as a flat int32 array."""
     if isinstance(token, mx.array):
@@ -154,6 +179,15 @@ def _top_k_ids(logits: mx.array, k: int) -> mx.array:
     v = logits.shape[-1]
     ranked = mx.argpartition(_rank_key(logits), kth=v - k, axis=-1)
     return mx.sort(ranked[:, v - k :], axis=-1)
+
+
+def _argmax(rows: mx.array) -> mx.array:
+    """The first (lowest id) argmax of each row of ``rows`` [R, V] as int32 [R] (a NaN wins, as
+    in ``mx.argmax``): ``runner.native``'s vector passes where it is built (the same ids),
+    else ``mx.argmax``, which compares value by value, one row after another."""
+    if native.argmax_ids_available() and rows.dtype == mx.float32 and rows.ndim == 2:
+        return native.argmax_ids(rows)
+    return mx.argmax(rows, axis=-1).astype(mx.int32)
 
 
 def filter_rows(
@@ -268,12 +302,25 @@ class Sampler:
 
     # -- the pipeline ---------------------------------------------------------------------
 
-    def _penalise(self, logits: mx.array, chain) -> mx.array:
-        """Apply the penalties by rewriting only the logits of tokens in each row's window."""
+    def _penalise(self, logits: mx.array, chain, columns: Columns | None = None) -> mx.array:
+        """Apply the penalties by rewriting only the logits of tokens in each row's window
+        (with ``columns``, rows in their ascending order: the window's ids mapped to them)."""
         if self._window == 0:
             return logits
         rows, v = logits.shape
         windows = self._windows(rows, chain)
+        if columns is not None:
+            windows = columns.inverse[windows]
+        if native.penalise_rows_available() and logits.dtype == mx.float32:
+            # The same float32 operations on the same values, one copy of each row.
+            return native.penalise_rows(
+                logits, windows.astype(mx.int32), self._repeat, self._presence, self._frequency
+            )
+        return self._penalise_ops(logits, windows)
+
+    def _penalise_ops(self, logits: mx.array, windows: mx.array) -> mx.array:
+        """:meth:`_penalise` in MLX ops (without the native module, and its reference)."""
+        rows, v = logits.shape
         # Flat positions in a [rows, v + 1] layout: column v of each row absorbs the padding.
         flat = (windows + mx.arange(rows, dtype=mx.int32)[:, None] * (v + 1)).reshape(-1)
         counts = mx.zeros((rows * (v + 1),), dtype=mx.float32).at[flat].add(1.0)
@@ -291,18 +338,27 @@ class Sampler:
         padded[flat] = new
         return padded.reshape(rows, v + 1)[:, :v]
 
-    def _filter(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+    def _filter(
+        self, logits: mx.array, columns: Columns | None = None
+    ) -> tuple[mx.array, mx.array | None]:
         """Penalised logits [R, V] -> (renormalised probabilities [R, N], ids [R, N] or None).
 
         With top-k the rows are sparse: N = k entries in ascending id order; otherwise the
         rows are dense over the vocabulary (ids None). Runs compiled (see ``_compiled_filter``).
+        With ``columns`` the rows are theirs in ascending order and ids are token ids.
         """
-        if self._filter_fn is None:
-            self._filter_fn = _compiled_filter(
-                self._top_k, self._top_p, self._min_p, self._temperature
-            )
-        out = self._filter_fn(logits)
-        return out[0], (out[1] if len(out) > 1 else None)
+        if columns is None:
+            if self._filter_fn is None:
+                self._filter_fn = _compiled_filter(
+                    self._top_k, self._top_p, self._min_p, self._temperature
+                )
+            out = self._filter_fn(logits)
+            return out[0], (out[1] if len(out) > 1 else None)
+        top_k = self._top_k if self._top_k < columns.count else 0
+        out = _compiled_filter(top_k, self._top_p, self._min_p, self._temperature)(logits)
+        if len(out) == 1:
+            return out[0], mx.broadcast_to(columns.ids, out[0].shape)
+        return out[0], columns.ids[out[1]]
 
     def _dense(self, probs: mx.array, ids: mx.array | None) -> mx.array:
         if ids is None:
@@ -327,16 +383,22 @@ class Sampler:
         """Raw logits [V] or [1, V] -> lazy int32 token (scalar or [1]) for cache slot ``slot``."""
         return self.tokens(logits, None, slot=slot).reshape(logits.shape[:-1])
 
-    def tokens(self, logits: mx.array, chain=None, *, slot: int) -> mx.array:
+    def tokens(
+        self, logits: mx.array, chain=None, *, slot: int, columns: Columns | None = None
+    ) -> mx.array:
         """Raw logits [R, V] -> the R drawn tokens [R] int32 (lazy), row i's for cache slot
         ``slot + i`` and penalised as in :meth:`distributions` (with a chain, verification's
         alignment; without one, every row sees the history alone). Greedy: the penalised
-        argmax."""
+        argmax. ``columns``: the rows hold those tokens only (:class:`Columns`; a row with
+        no finite value gives the lowest of them, where a full row would give token 0)."""
         rows = self._rows(logits)
-        penalised = self._penalise(rows, chain)
+        if columns is not None:
+            rows = mx.take(rows, columns.order, axis=-1)
+        penalised = self._penalise(rows, chain, columns)
         if self.greedy:
-            return mx.argmax(penalised, axis=-1).astype(mx.int32)
-        probs, ids = self._filter(penalised)
+            pick = _argmax(penalised)
+            return pick if columns is None else columns.ids[pick]
+        probs, ids = self._filter(penalised, columns)
         keys = slot_keys(self.seed, slot, rows.shape[0])
         return _pick_dense(probs, keys) if ids is None else _pick_sparse(probs, ids, keys)
 
@@ -351,7 +413,7 @@ class Sampler:
         rows = self._rows(logits)
         penalised = self._penalise(rows, chain)
         if self.greedy:
-            return self._one_hot(mx.argmax(penalised, axis=-1))
+            return self._one_hot(_argmax(penalised))
         return self._dense(*self._filter(penalised))
 
     def logprobs(self, logits: mx.array, token, top_n: int) -> tuple[mx.array, mx.array, mx.array]:

@@ -186,3 +186,42 @@ def test_argmax_draft_is_the_argmax_of_the_scattered_row(target):
     tied.set_draft_vocab([high, low])  # the higher id listed first
     row = mx.zeros((1, 1, d)) + weight[low] * 50.0  # points at the tied pair
     assert tied.argmax_draft(row, None).tolist() == [[low]]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7, top_k=40, top_p=0.9, repeat_penalty=1.0, seed=3),
+        dict(temperature=1.0, top_k=5, top_p=0.0, min_p=0.05, repeat_penalty=1.3, seed=4),
+        dict(temperature=0.0, repeat_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.2),
+    ],
+    ids=["T0.7-top-k", "T1-min-p-penalties", "greedy-penalties"],
+)
+def test_drafts_from_the_columns_equal_the_scattered_rows_draws(target, params):
+    """A sampled draft is drawn from the draft vocabulary's own logits (``draft_columns``),
+    never the scattered full row: the same token for every slot, chain and history, with the
+    penalty window holding ids inside and outside the draft vocabulary."""
+    from runner.sampler import Columns, Sampler, SamplingParams
+
+    head = random_head(target, seed=8)
+    d, vocab = target.model.args.hidden_size, target.model.args.vocab_size
+    ids = sorted(set(range(1, vocab, 3)), reverse=True)  # not ascending, as a trained head's
+    head.set_draft_vocab(ids)
+    assert head.draft_columns is not None
+    mx.random.seed(13)
+    y = head(mx.array([[4, 9, 31, 2]]), mx.random.normal((1, 4, d)) * 4, KVCache())
+    history = [1, 2, 4, 7, 10, 11, 7]  # 1, 4, 7, 10 are draft ids; 2, 11 are not
+    sampler = Sampler(SamplingParams(**params), history, vocab, 4096)
+    same = 0
+    for slot in range(40):
+        row = y[0, slot % 4 : slot % 4 + 1]
+        chain = mx.array([ids[slot % len(ids)], 2][: slot % 3], dtype=mx.int32)
+        want = sampler.tokens(head.draft_logits(row, None), chain, slot=slot)
+        got = sampler.tokens(head.logits(row, None), chain, slot=slot, columns=head.draft_columns)
+        assert got.tolist() == want.tolist(), slot
+        same += int(want.item()) in ids
+    assert same == 40
+    head.set_draft_vocab([3, 3, 5])  # repeated ids: drafts drawn from the scattered row
+    assert head.draft_columns is None
+    with pytest.raises(ValueError, match="distinct"):
+        Columns([3, 3, 5], vocab)

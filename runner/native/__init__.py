@@ -439,6 +439,46 @@ def top_k_ids(logits: mx.array, k: int) -> mx.array:
     return _ext.top_k_ids(logits, k)
 
 
+def argmax_ids_available() -> bool:
+    """Whether the compiled module has the sampler's native row argmax."""
+    return _ext is not None and hasattr(_ext, "argmax_ids")
+
+
+def argmax_ids(logits: mx.array) -> mx.array:
+    """Per row of float32 ``logits`` ``[R, V]`` the index (int32 ``[R]``) ``mx.argmax`` gives:
+    the first NaN of the row, else the first value equal to its maximum (-0.0 equal to 0.0).
+    MLX's CPU argmax compares value by value, one row after another; this reads each row in
+    vectors. Raises RuntimeError without the build (:func:`argmax_ids_available`)."""
+    if not argmax_ids_available():
+        raise RuntimeError(
+            "runner.native has no row argmax: "
+            + (_reason or "rebuild it with `python -m runner.native.build`")
+        )
+    return _ext.argmax_ids(logits)
+
+
+def penalise_rows_available() -> bool:
+    """Whether the compiled module has the sampler's native penalties."""
+    return _ext is not None and hasattr(_ext, "penalise_rows")
+
+
+def penalise_rows(
+    logits: mx.array, windows: mx.array, repeat: float, presence: float, frequency: float
+) -> mx.array:
+    """Float32 ``logits`` ``[R, V]`` with each distinct token ``t`` of row i's window (int32
+    ``windows`` ``[R, W]``, or ``[1, W]`` for every row; ids outside ``[0, V)`` ignored)
+    rewritten in float32 as ``runner.sampler`` does: ``old / repeat`` if ``old > 0`` else
+    ``old * repeat`` (repeat != 1), ``- presence`` (!= 0), ``- frequency * count(t)`` (!= 0).
+    One copy of each row, where the MLX ops make several passes over it. Raises
+    RuntimeError without the build (:func:`penalise_rows_available`)."""
+    if not penalise_rows_available():
+        raise RuntimeError(
+            "runner.native has no penalties: "
+            + (_reason or "rebuild it with `python -m runner.native.build`")
+        )
+    return _ext.penalise_rows(logits, windows, repeat, presence, frequency)
+
+
 def row_attention_quantized_available(dim: int) -> bool:
     """Whether the compiled module attends over packed quantized rows of head dim ``dim``."""
     return (

@@ -17,7 +17,7 @@
 #include "rows.h"
 #include "mlx/version.h"
 #include "smallrow.h"
-#include "topk.h"
+#include "sampling.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -197,6 +197,27 @@ NB_MODULE(_smallrow, m) {
       "stream"_a = nb::none(),
       "Per row of float32 logits [R, V] the ids (uint32 [R, k], ascending) of the k largest "
       "values, ties toward the lower id: the sampler's argpartition of its rank key and sort.");
+  m.def(
+      "argmax_ids",
+      &mtp_native::argmax_ids,
+      "logits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Per row of float32 logits [R, V] the index (int32 [R]) mx.argmax gives: the first NaN, "
+      "else the first value equal to the row's maximum.");
+  m.def(
+      "penalise_rows",
+      &mtp_native::penalise_rows,
+      "logits"_a,
+      "windows"_a,
+      "repeat"_a,
+      "presence"_a,
+      "frequency"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Float32 logits [R, V] with each distinct token of the row's window (int32 [R, W] or "
+      "[1, W]; ids outside [0, V) ignored) rewritten by the repeat, presence and frequency "
+      "penalties, as runner.sampler computes them.");
   m.def("qpanel_isa", &mtp_native::qpanel_isa, "The quantized fast product's integer path.");
   m.def("attention_isa", &mtp_native::attention_isa, "The attention kernel path compiled in.");
   m.def("isa", &mtp_native::isa, "The kernel path compiled in: avx512, avx2 or portable.");

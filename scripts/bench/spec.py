@@ -40,12 +40,15 @@ PROMPTS = [
 ]
 # The head is trained on the target's unpenalised distribution, so the two main modes turn
 # the repeat penalty off; "greedy+rp" keeps Ollama's default repeat_penalty 1.1, which moves
-# the target's argmax away from what the head learned (the draft is penalised the same way).
+# the target's argmax away from what the head learned (the draft is penalised the same way);
+# "defaults" is a request that sets no sampling option but the seed (temperature 0.8, top-k
+# 40, top-p 0.9, repeat penalty 1.1 over 64 tokens).
 MODES = {
     "greedy": {"temperature": 0.0, "repeat_penalty": 1.0},
     "T=0.7": {"temperature": 0.7, "seed": 1, "repeat_penalty": 1.0},
     "T=1.0": {"temperature": 1.0, "seed": 1, "repeat_penalty": 1.0},
     "greedy+rp": {"temperature": 0.0},
+    "defaults": {"seed": 1},
 }
 
 
