@@ -35,8 +35,9 @@ sides. Every so often the controller probes a depth next to its choice for five 
 middle three are timed: a parked controller would otherwise never re-measure the cost of
 drafting), one deeper and one shallower in turn (parked, always deeper); the interval starts at
 4 rounds and doubles after each probe that did not change the choice, up to 256, and snaps back
-to 4 when the choice changes and when a request starts (the acceptance learned on earlier
-requests' text need not hold for this one's), unless position 1 is trusted to be useless. A
+to 4 when the choice changes and when a request starts while parked (the acceptance learned
+on earlier requests' text need not hold for this one's), unless position 1 is trusted to be
+useless. A
 probe of a position whose trusted rate is under 0.1 lasts one round: it only watches for the
 head starting to work (such a rate cannot pay for any cost a depth-1 round can have), so a
 useless head costs one drafted round per interval, not five. A depth in range that has no
@@ -114,19 +115,27 @@ class DepthController:
             self._round_start = self._round_depth = self._before_depth = None
 
     def new_request(self) -> None:
-        """A request starts: forget the round clock, and probe again soon. The acceptance
-        learned on earlier requests need not hold for this one's text (a head parked by code
-        edits drafts well in chat), and probes that backed off to ``PROBE_MAX`` rounds would
-        leave most of a request to the earlier estimate. Not for a head trusted to be
-        useless (its first position under ``EXTEND_ABOVE``): no text makes a random head
-        draft well, and each probe breaks the pipelined plain loop (the trade-off: a real head
-        that some text drove that low waits for the backed-off probes)."""
+        """A request starts: forget the round clock, end a probe the last request left
+        unfinished, and, while parked, probe again soon. A parked controller sees no
+        acceptance at all, and the acceptance learned on earlier requests need not hold for
+        this one's text (a head parked by code edits drafts well in chat): probes that backed
+        off to ``PROBE_MAX`` rounds would leave most of the request to the earlier estimate.
+        A drafting controller keeps its interval: its own rounds keep measuring the
+        acceptance of the positions it drafts, and each probe is rounds at a depth it judged
+        worse (at the head's sampled acceptance, restarting the probes at every request cost
+        more than they found on short requests). Not for a head trusted to be useless (its
+        first position under ``EXTEND_ABOVE``): no text makes a random head draft well, and
+        each probe breaks the pipelined plain loop (the trade-off: a real head that some text
+        drove that low waits for the backed-off probes)."""
         with self._lock:
             self._round_start = self._round_depth = self._before_depth = None
             useless = self._seen[1] >= TRUSTED_AFTER and self._rate[1] < EXTEND_ABOVE
-            if not useless:  # a probe the last request left unfinished ends here
-                self._probing, self._probe_left = False, 0
-                self._probe_interval = PROBE_FIRST
+            if not useless:
+                if self._probing:  # the next round is the selected depth's again
+                    self._probing, self._probe_left = False, 0
+                    self.scheduled = self._selected
+                if self._selected == 0:
+                    self._probe_interval = PROBE_FIRST
 
     def round_elsewhere(self) -> None:
         """Another drafter's round runs now: no cost sample may span it."""

@@ -145,6 +145,24 @@ def test_a_new_request_probes_again_soon():
     assert useless.controller.state()["probe_interval"] == PROBE_MAX
 
 
+def test_a_new_request_keeps_a_drafting_controllers_probe_interval():
+    """A controller that drafts keeps measuring the acceptance of the positions it drafts, so
+    a new request ends an unfinished probe but does not restart the probes: each one is
+    rounds at a depth judged worse."""
+    sim = Sim(steep, 0.9, max_depth=4)
+    sim.run(3000)
+    assert sim.controller.selected() >= 1
+    interval = sim.controller.state()["probe_interval"]
+    assert interval > PROBE_FIRST
+    while not sim.controller._probing:  # stop in the middle of a probe
+        sim.round()
+    sim.session = sim.controller.for_request()
+    assert sim.controller.state()["probe_interval"] == interval
+    assert not sim.controller._probing
+    selected = sim.controller.selected()
+    assert sim.run(PROBE_FIRST * 2) == [selected] * (PROBE_FIRST * 2)
+
+
 def test_a_parked_controller_remeasures_the_cost_of_drafting_on_probes():
     # Depth 1 looks expensive at first (warm-up), then gets cheaper than its acceptance
     # needs; only the timed second round of each probe can tell the parked controller.
