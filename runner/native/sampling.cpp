@@ -194,61 +194,66 @@ int32_t argmax_row(const float* row, int64_t stride, int64_t V) {
   return static_cast<int32_t>(j < V ? j : 0);
 }
 
+// The checks every row operation makes of its float32 [R, V] logits; the CPU stream it runs on.
+mx::Stream rows_stream(const mx::array& logits, mx::StreamOrDevice s, const std::string& op) {
+  if (logits.dtype() != mx::float32) throw std::invalid_argument("[" + op + "] logits must be float32");
+  if (logits.ndim() != 2) throw std::invalid_argument("[" + op + "] logits must have shape [R, V]");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("[" + op + "] runs on a CPU stream only");
+  return stream;
+}
+
+// Allocates `out` and runs per_row(row, column stride, V, r, out) for every row r of `x` on
+// the stream (the other inputs, when there are any, registered by the caller's `inputs`).
+template <typename PerRow>
+void for_each_row(
+    const mx::Stream& stream,
+    const std::vector<mx::array>& inputs,
+    mx::array& out,
+    PerRow per_row) {
+  const auto& x = inputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& input : inputs) encoder.set_input_array(input);
+  encoder.set_output_array(out);
+  encoder.dispatch([src = x.data<float>(),
+                    rows = static_cast<int64_t>(x.shape(0)),
+                    V = static_cast<int64_t>(x.shape(1)),
+                    row_stride = static_cast<int64_t>(x.strides()[0]),
+                    col_stride = static_cast<int64_t>(x.strides()[1]),
+                    out_data = out.data<void>(),
+                    per_row]() {
+    for (int64_t r = 0; r < rows; ++r) per_row(src + r * row_stride, col_stride, V, r, out_data);
+  });
+}
+
 } // namespace
 
 mx::array top_k_ids(const mx::array& logits, int k, mx::StreamOrDevice s) {
-  if (logits.dtype() != mx::float32) fail("logits must be float32");
-  if (logits.ndim() != 2) fail("logits must have shape [R, V]");
+  auto stream = rows_stream(logits, s, "top_k_ids");
   const int64_t V = logits.shape(1);
   if (k < 1 || k >= V)
     fail("k = " + std::to_string(k) + " must be in [1, V) for V = " + std::to_string(V));
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (stream.device != mx::Device::cpu) fail("runs on a CPU stream only");
   return mx::array(
       mx::Shape{logits.shape(0), k}, mx::uint32, std::make_shared<TopKIds>(stream, k), {logits});
 }
 
 void TopKIds::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const auto& x = inputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_output_array(out);
-  encoder.dispatch([src = x.data<float>(),
-                    rows = static_cast<int64_t>(x.shape(0)),
-                    V = static_cast<int64_t>(x.shape(1)),
-                    row_stride = static_cast<int64_t>(x.strides()[0]),
-                    col_stride = static_cast<int64_t>(x.strides()[1]),
-                    dst = out.data<uint32_t>(),
-                    k = k_]() {
-    for (int64_t r = 0; r < rows; ++r)
-      top_k_row(src + r * row_stride, col_stride, V, k, dst + r * k);
+  for_each_row(stream(), inputs, out, [k = k_](const float* row, int64_t stride, int64_t V, int64_t r, void* dst) {
+    top_k_row(row, stride, V, k, static_cast<uint32_t*>(dst) + r * k);
   });
 }
 
 mx::array argmax_ids(const mx::array& logits, mx::StreamOrDevice s) {
-  if (logits.dtype() != mx::float32) throw std::invalid_argument("[argmax_ids] logits must be float32");
-  if (logits.ndim() != 2 || logits.shape(1) < 1)
-    throw std::invalid_argument("[argmax_ids] logits must have shape [R, V], V >= 1");
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (stream.device != mx::Device::cpu) throw std::invalid_argument("[argmax_ids] runs on a CPU stream only");
+  auto stream = rows_stream(logits, s, "argmax_ids");
+  if (logits.shape(1) < 1) throw std::invalid_argument("[argmax_ids] logits must have shape [R, V], V >= 1");
   return mx::array(
       mx::Shape{logits.shape(0)}, mx::int32, std::make_shared<ArgmaxIds>(stream), {logits});
 }
 
 void ArgmaxIds::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const auto& x = inputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_output_array(out);
-  encoder.dispatch([src = x.data<float>(),
-                    rows = static_cast<int64_t>(x.shape(0)),
-                    V = static_cast<int64_t>(x.shape(1)),
-                    row_stride = static_cast<int64_t>(x.strides()[0]),
-                    col_stride = static_cast<int64_t>(x.strides()[1]),
-                    dst = out.data<int32_t>()]() {
-    for (int64_t r = 0; r < rows; ++r) dst[r] = argmax_row(src + r * row_stride, col_stride, V);
+  for_each_row(stream(), inputs, out, [](const float* row, int64_t stride, int64_t V, int64_t r, void* dst) {
+    static_cast<int32_t*>(dst)[r] = argmax_row(row, stride, V);
   });
 }
 
@@ -263,16 +268,13 @@ mx::array penalise_rows(
     float presence,
     float frequency,
     mx::StreamOrDevice s) {
-  if (logits.dtype() != mx::float32) throw std::invalid_argument("[penalise_rows] logits must be float32");
-  if (logits.ndim() != 2) throw std::invalid_argument("[penalise_rows] logits must have shape [R, V]");
+  auto stream = rows_stream(logits, s, "penalise_rows");
   if (windows.dtype() != mx::int32 || windows.ndim() != 2)
     throw std::invalid_argument("[penalise_rows] windows must be int32 [R, W] or [1, W]");
   if (windows.shape(0) != logits.shape(0) && windows.shape(0) != 1)
     throw std::invalid_argument(
         "[penalise_rows] " + std::to_string(windows.shape(0)) + " windows for " +
         std::to_string(logits.shape(0)) + " rows");
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (stream.device != mx::Device::cpu) throw std::invalid_argument("[penalise_rows] runs on a CPU stream only");
   return mx::array(
       logits.shape(),
       mx::float32,
@@ -281,57 +283,45 @@ mx::array penalise_rows(
 }
 
 void PenaliseRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const auto& x = inputs[0];
   const auto& w = inputs[1];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_output_array(out);
-  encoder.dispatch([src = x.data<float>(),
-                    rows = static_cast<int64_t>(x.shape(0)),
-                    V = static_cast<int64_t>(x.shape(1)),
-                    row_stride = static_cast<int64_t>(x.strides()[0]),
-                    col_stride = static_cast<int64_t>(x.strides()[1]),
-                    ids = w.data<int32_t>(),
-                    window_rows = static_cast<int64_t>(w.shape(0)),
-                    W = static_cast<int64_t>(w.shape(1)),
-                    window_stride = static_cast<int64_t>(w.strides()[0]),
-                    id_stride = static_cast<int64_t>(w.strides()[1]),
-                    dst = out.data<float>(),
-                    repeat = repeat_,
-                    presence = presence_,
-                    frequency = frequency_]() {
-    std::vector<int32_t> tokens;
-    tokens.reserve(static_cast<size_t>(W));
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* row = src + r * row_stride;
-      float* target = dst + r * V;
-      if (col_stride == 1)
-        std::memcpy(target, row, static_cast<size_t>(V) * sizeof(float));
-      else
-        for (int64_t i = 0; i < V; ++i) target[i] = row[i * col_stride];
-      const int32_t* window = ids + (window_rows == 1 ? 0 : r) * window_stride;
-      tokens.clear();
-      for (int64_t j = 0; j < W; ++j) {
-        const int32_t t = window[j * id_stride];
-        if (t >= 0 && t < V) tokens.push_back(t);
-      }
-      std::sort(tokens.begin(), tokens.end());
-      for (size_t j = 0; j < tokens.size();) {
-        size_t end = j + 1;
-        while (end < tokens.size() && tokens[end] == tokens[j]) ++end;
-        const int32_t t = tokens[j];
-        const float old = target[t];
-        float v = old;
-        if (repeat != 1.0f) v = old > 0.0f ? old / repeat : old * repeat;
-        if (presence != 0.0f) v = v - presence;
-        if (frequency != 0.0f) v = v - frequency * static_cast<float>(end - j);
-        target[t] = v;
-        j = end;
-      }
-    }
-  });
+  for_each_row(
+      stream(),
+      inputs,
+      out,
+      [ids = w.data<int32_t>(),
+       window_rows = static_cast<int64_t>(w.shape(0)),
+       W = static_cast<int64_t>(w.shape(1)),
+       window_stride = static_cast<int64_t>(w.strides()[0]),
+       id_stride = static_cast<int64_t>(w.strides()[1]),
+       repeat = repeat_,
+       presence = presence_,
+       frequency = frequency_](const float* row, int64_t stride, int64_t V, int64_t r, void* dst) {
+        float* target = static_cast<float*>(dst) + r * V;
+        if (stride == 1)
+          std::memcpy(target, row, static_cast<size_t>(V) * sizeof(float));
+        else
+          for (int64_t i = 0; i < V; ++i) target[i] = row[i * stride];
+        const int32_t* window = ids + (window_rows == 1 ? 0 : r) * window_stride;
+        std::vector<int32_t> tokens;
+        tokens.reserve(static_cast<size_t>(W));
+        for (int64_t j = 0; j < W; ++j) {
+          const int32_t t = window[j * id_stride];
+          if (t >= 0 && t < V) tokens.push_back(t);
+        }
+        std::sort(tokens.begin(), tokens.end());
+        for (size_t j = 0; j < tokens.size();) {  // each distinct token once, with its count
+          size_t end = j + 1;
+          while (end < tokens.size() && tokens[end] == tokens[j]) ++end;
+          const int32_t t = tokens[j];
+          const float old = target[t];
+          float v = old;
+          if (repeat != 1.0f) v = old > 0.0f ? old / repeat : old * repeat;
+          if (presence != 0.0f) v = v - presence;
+          if (frequency != 0.0f) v = v - frequency * static_cast<float>(end - j);
+          target[t] = v;
+          j = end;
+        }
+      });
 }
 
 bool PenaliseRows::is_equivalent(const mx::Primitive& other) const {
