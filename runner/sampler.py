@@ -309,8 +309,8 @@ class Sampler:
             return logits
         rows, v = logits.shape
         windows = self._windows(rows, chain)
-        if columns is not None:
-            windows = columns.inverse[windows]
+        if columns is not None:  # ids past the table (none in a consistent model) drop too
+            windows = columns.inverse[mx.minimum(windows, columns.inverse.shape[0] - 1)]
         if native.penalise_rows_available() and logits.dtype == mx.float32:
             # The same float32 operations on the same values, one copy of each row.
             return native.penalise_rows(

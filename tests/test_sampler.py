@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from runner.sampler import (
+    Columns,
     Sampler,
     SamplingParams,
     _compiled_filter,
@@ -441,3 +442,18 @@ def test_single_row_with_a_chain_sees_the_whole_chain():
     got = drafted.penalised(logits, chain=[4, 3])
     np.testing.assert_array_equal(np.array(got), np.array(plain.penalised(logits)))
     assert float(got[0, 4]) == 1.5 and float(got[0, 3]) == 0.25
+
+
+def test_columns_ignore_window_ids_past_their_table():
+    """A penalty window id beyond the columns' vocabulary (the padding id of a sampler over a
+    larger vocabulary, or a token outside the columns' table) drops out, as the full row's
+    padding does, never penalising some column."""
+    ids = [7, 2, 5, 0]
+    columns = Columns(ids, 8)
+    s = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0), [2, 9, 11], 12, 64)
+    logits = np.array([[3.0, 4.0, 3.2, 3.9]], np.float32)  # tokens 7, 2, 5, 0
+    row = np.full((1, 12), -np.inf, np.float32)
+    row[0, ids] = logits[0]
+    want = int(s.tokens(mx.array(row), slot=0).item())
+    got = int(s.tokens(mx.array(logits), slot=0, columns=columns).item())
+    assert got == want == 0  # 2's 4.0 is penalised to 2.0, under 0's 3.9
