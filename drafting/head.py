@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from runner.sampler import Columns
+from drafting.columns import Columns
 
 
 @dataclass
@@ -126,7 +126,7 @@ class MTPHead(nn.Module):
 
     @property
     def draft_columns(self) -> Columns | None:
-        """The draft vocabulary as the sampler's :class:`runner.sampler.Columns` (the logits of
+        """The draft vocabulary as the sampler's :class:`drafting.columns.Columns` (the logits of
         :meth:`logits` drawn without scattering them into the vocabulary), or None."""
         return self._columns
 

@@ -37,7 +37,7 @@ class Sampler(Protocol):
     noise the target draws with). A sampler whose ``greedy`` is true and ``penalises`` false
     (both optional) gets the head's argmax over its draft vocabulary directly; for a head
     with a draft vocabulary of distinct ids the logits are that vocabulary's, described by
-    ``columns`` (``runner.sampler.Columns``; not passed otherwise)."""
+    ``columns`` (``drafting.columns.Columns``; not passed otherwise)."""
 
     def tokens(self, logits: mx.array, chain: Any, *, slot: int, **columns: Any) -> mx.array: ...
 

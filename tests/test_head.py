@@ -201,7 +201,8 @@ def test_drafts_from_the_columns_equal_the_scattered_rows_draws(target, params):
     """A sampled draft is drawn from the draft vocabulary's own logits (``draft_columns``),
     never the scattered full row: the same token for every slot, chain and history, with the
     penalty window holding ids inside and outside the draft vocabulary."""
-    from runner.sampler import Columns, Sampler, SamplingParams
+    from drafting.columns import Columns
+    from runner.sampler import Sampler, SamplingParams
 
     head = random_head(target, seed=8)
     d, vocab = target.model.args.hidden_size, target.model.args.vocab_size

@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from drafting.columns import Columns
 from runner.sampler import (
-    Columns,
     Sampler,
     SamplingParams,
     _compiled_filter,
