@@ -37,11 +37,10 @@ drafting), one deeper and one shallower in turn (parked, always deeper); the int
 4 rounds and doubles after each probe that did not change the choice, up to 256, and snaps back
 to 4 when the choice changes and when a request starts while parked (the acceptance learned
 on earlier requests' text need not hold for this one's), unless position 1 is trusted to be
-useless. A
-probe of a position whose trusted rate is under 0.1 lasts one round: it only watches for the
-head starting to work (such a rate cannot pay for any cost a depth-1 round can have), so a
-useless head costs one drafted round per interval, not five. A depth in range that has no
-cost sample yet is drafted before anything else (cost seeding).
+useless. A probe of a position whose trusted rate is under 0.1 lasts one round: it only
+watches for the head starting to work (such a rate cannot pay for any cost a depth-1 round
+can have), so a useless head costs one drafted round per interval, not five. A depth in range
+that has no cost sample yet is drafted before anything else (cost seeding).
 
 The constants were tuned with ``scripts/bench/sim_depth.py`` (simulated rounds with measured
 relative costs, per-round noise, a drifting speed and per-prompt acceptance).
@@ -112,7 +111,10 @@ class DepthController:
     def begin_request(self) -> None:
         """Forget the round clock: the gap between requests is not a round's cost."""
         with self._lock:
-            self._round_start = self._round_depth = self._before_depth = None
+            self._forget_round_clock()
+
+    def _forget_round_clock(self) -> None:
+        self._round_start = self._round_depth = self._before_depth = None
 
     def new_request(self) -> None:
         """A request starts: forget the round clock, end a probe the last request left
@@ -128,7 +130,7 @@ class DepthController:
         each probe breaks the pipelined plain loop (the trade-off: a real head that some text
         drove that low waits for the backed-off probes)."""
         with self._lock:
-            self._round_start = self._round_depth = self._before_depth = None
+            self._forget_round_clock()
             useless = self._seen[1] >= TRUSTED_AFTER and self._rate[1] < EXTEND_ABOVE
             if not useless:
                 if self._probing:  # the next round is the selected depth's again
