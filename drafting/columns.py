@@ -23,6 +23,8 @@ class Columns:
             raise ValueError(f"columns must be distinct ids in [0, {vocab_size})")
         order = sorted(range(len(ids)), key=ids.__getitem__)
         self.count = len(ids)
+        self.vocab_size = int(vocab_size)
+        self.listed = mx.array(ids, dtype=mx.int32)  # the columns' ids as the rows hold them
         self.order = mx.array(order, dtype=mx.int32)  # ascending id order of the columns
         self.ids = mx.array([ids[j] for j in order], dtype=mx.int32)  # ascending
         # Each token id's place in the ascending row; every other id (and the penalty

@@ -178,16 +178,6 @@ class MTPHead(nn.Module):
             return self._draft_out(y)
         return unembed(y)
 
-    def argmax_draft(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array:
-        """``argmax(draft_logits(y))`` ``[...]`` int32 (the lowest id among ties, like a full
-        row) without scattering into the full vocabulary, which greedy drafting never needs."""
-        logits = self.logits(y, unembed)
-        if self._vocab_ids is None:
-            return mx.argmax(logits, axis=-1).astype(mx.int32)
-        best = logits.max(axis=-1, keepdims=True)
-        ids = mx.where(logits == best, self._vocab_ids, self._vocab_size)
-        return ids.min(axis=-1).astype(mx.int32)
-
     def draft_logits(self, y: mx.array, unembed: Callable[[mx.array], mx.array]) -> mx.array:
         """Logits over the FULL vocabulary ``[..., V]``: with a draft vocabulary the ``Vd``
         computed columns are scattered into a row of -inf, so a sampler sees no other token."""

@@ -34,10 +34,9 @@ FLUSH_AT = 256
 class Sampler(Protocol):
     """What ``propose`` needs from ``runner.sampler.Sampler`` (see docs/INTERNALS.md): the
     request's draw of the token at a slot (``drafting.accept``: the head drafts with the same
-    noise the target draws with). A sampler whose ``greedy`` is true and ``penalises`` false
-    (both optional) gets the head's argmax over its draft vocabulary directly; for a head
-    with a draft vocabulary of distinct ids the logits are that vocabulary's, described by
-    ``columns`` (``drafting.columns.Columns``; not passed otherwise)."""
+    noise the target draws with). For a head with a draft vocabulary of distinct ids the
+    logits are that vocabulary's, described by ``columns`` (``drafting.columns.Columns``; not
+    passed otherwise), greedy draws included."""
 
     def tokens(self, logits: mx.array, chain: Any, *, slot: int, **columns: Any) -> mx.array: ...
 
@@ -229,7 +228,6 @@ class DraftSession:
         if self.cache.offset > self._offset:
             self.cache.rewind(self._offset)
         y = self._held
-        argmax = getattr(sampler, "greedy", False) and not getattr(sampler, "penalises", True)
         columns = getattr(self.head, "draft_columns", None)
         drafts: list[mx.array] = []
         for step in range(k):
@@ -241,9 +239,6 @@ class DraftSession:
                 if only is not None:
                     drafts.append(mx.array([only], dtype=mx.int32))
                     continue
-            if argmax and allowed is None:  # the greedy draw, from the draft vocabulary only
-                drafts.append(self.head.argmax_draft(y[0, -1:], self.unembed).reshape(1))
-                continue
             chain = mx.concatenate(drafts) if drafts else mx.zeros((0,), dtype=mx.int32)
             if columns is None:
                 logits = self.head.draft_logits(y[0, -1:], self.unembed)

@@ -368,6 +368,12 @@ class Sampler:
         argmax. ``columns``: the rows hold those tokens only (:class:`Columns`; a row with
         no finite value gives the lowest of them, where a full row would give token 0)."""
         rows = self._rows(logits)
+        if columns is not None and self.greedy and not self._window:
+            # The lowest id among the row's maxima, read where the columns lie: no reorder.
+            top = mx.where(
+                rows == rows.max(axis=-1, keepdims=True), columns.listed, columns.vocab_size
+            )
+            return top.min(axis=-1).astype(mx.int32)
         if columns is not None:
             rows = mx.take(rows, columns.order, axis=-1)
         penalised = self._penalise(rows, chain, columns)

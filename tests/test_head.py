@@ -156,23 +156,31 @@ def test_draft_vocabulary_scatters_into_a_full_row(target):
     np.testing.assert_allclose(np.array(head.draft_logits(y, target.model.unembed)), full)
 
 
-def test_argmax_draft_is_the_argmax_of_the_scattered_row(target):
-    """Greedy drafting skips the full-vocabulary row; it must pick the same token, the lowest
-    id among ties, whatever order the draft vocabulary lists its ids in."""
+def test_greedy_draft_is_the_argmax_of_the_scattered_row(target):
+    """A greedy draft is drawn from the draft vocabulary's columns, never a full-vocabulary
+    row; it must pick the same token, the lowest id among ties, whatever order the draft
+    vocabulary lists its ids in."""
+    from runner.sampler import Sampler, SamplingParams
+
     head = random_head(target, seed=7)
     d, vocab = target.model.args.hidden_size, target.model.args.vocab_size
     y = head(mx.array([[4, 9, 31]]), mx.random.normal((1, 3, d)), KVCache())
+    greedy = Sampler(SamplingParams(temperature=0.0, repeat_penalty=1.0), [], vocab, 4096)
+
+    def draft(h: MTPHead, rows: mx.array, unembed) -> list[int]:
+        columns = {} if h.draft_columns is None else {"columns": h.draft_columns}
+        return greedy.tokens(h.logits(rows, unembed), slot=0, **columns).tolist()
 
     def both():
         want = mx.argmax(head.draft_logits(y, target.model.unembed), axis=-1)
-        return head.argmax_draft(y, target.model.unembed).tolist(), want.tolist()
+        return draft(head, y, target.model.unembed), want.reshape(-1).tolist()
 
     got, want = both()
     assert got == want
     ids = sorted(set(range(0, vocab, 7)), reverse=True)  # most-frequent-first: not ascending
     head.set_draft_vocab(ids)
     got, want = both()
-    assert got == want and all(t in ids for t in got[0])
+    assert got == want and all(t in ids for t in got)
     # A tie: two ids share one output row, so their logits are equal.
     weight = target.model.output_weight()
     low, high = 5, 6
@@ -185,7 +193,7 @@ def test_argmax_draft_is_the_argmax_of_the_scattered_row(target):
     tied.update(head.parameters())
     tied.set_draft_vocab([high, low])  # the higher id listed first
     row = mx.zeros((1, 1, d)) + weight[low] * 50.0  # points at the tied pair
-    assert tied.argmax_draft(row, None).tolist() == [[low]]
+    assert draft(tied, row, None) == [low]
 
 
 @pytest.mark.parametrize(

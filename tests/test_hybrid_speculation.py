@@ -68,9 +68,6 @@ class ScriptedHead(nn.Module):
         slots = mx.clip(y.reshape(-1).astype(mx.int32), 0, self.script.shape[0] - 1)
         return self.script[slots]
 
-    def argmax_draft(self, y: mx.array, unembed) -> mx.array:
-        return self._drafted(y)
-
     def draft_logits(self, y: mx.array, unembed) -> mx.array:
         """One-hot rows: any sampler draws the scripted token."""
         drafted = self._drafted(y)[:, None]
