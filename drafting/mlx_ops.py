@@ -255,6 +255,8 @@ class MlxRoundOps:
             target = self.sampler.tokens(logits, drafts, slot=entry + 1)
             decision_accept, successors = matched_decision(target, drafts)
             rows = self._logprob_rows(logits, successors)
+            outputs = (drafts, decision_accept, successors, hidden, rows)
+            mx.async_eval(*outputs, [c.state for c in self.caches])
         except Exception as exc:  # building the graph failed: the caches rewind to entry
             self.rewind_quietly(entry)
             # Layers start as they are built, so the lazy drafts may have run (and failed)
@@ -262,10 +264,9 @@ class MlxRoundOps:
             if proposal is not None and self._proposal_fails(proposal):
                 raise HeadError(f"draft evaluation failed: {exc}") from exc
             raise TargetError(f"verify forward failed: {exc}") from exc
+        self._prepare_head(current, hidden, successors, entry)
         try:
-            mx.eval(
-                drafts, decision_accept, successors, hidden, rows, [c.state for c in self.caches]
-            )
+            mx.eval(*outputs, [c.state for c in self.caches])
         except Exception as exc:
             self.rewind_quietly(entry)
             if proposal is not None and self._proposal_fails(proposal):
@@ -281,6 +282,19 @@ class MlxRoundOps:
             successors=successors,
             rows=hidden,
         )
+
+    def _prepare_head(self, current: int, hidden: mx.array, draws: mx.array, entry: int) -> None:
+        """Queue the head's forward over the pairs this feed may commit behind the feed
+        (``DraftSession.prepare``), built while the feed computes. The feed's outputs were
+        dispatched first, so its sync does not wait for this forward. A head that fails here
+        fails again where the round asks it for drafts, which handles it."""
+        prepare = getattr(self.draft, "prepare", None)
+        if prepare is None or not self.head_ready:
+            return
+        try:
+            prepare(current, hidden, draws, entry)
+        except Exception:
+            self.draft.forget_prepared()
 
     def replay_feed(self, tokens: Sequence[int], successor: bool) -> Replay:
         # tokens[0] is the current x when it already entered the history at this position.

@@ -56,6 +56,36 @@ Constrain = Callable[[int, "mx.array | None"], "tuple[mx.array | None, int | Non
 
 
 @dataclass
+class _Candidates:
+    """Head outputs written ahead for the pairs a verify feed may commit (``prepare``): output
+    row j is the pair at slot ``slot + j`` of the feed's target row ``first + j`` with the
+    target's draw there, ``draws[first + j]``. Their draft KV entries lie above the committed
+    offset until a report adopts them."""
+
+    slot: int
+    outputs: mx.array  # [1, n, D]
+    draws: mx.array  # the feed's draws, as the feed evaluates them (read after its sync)
+    first: int = 0
+    _host: list[int] | None = None
+
+    def tokens(self) -> list[int]:
+        """The candidates' tokens, from the feed's evaluated draws (no graph is waited on)."""
+        if self._host is None:
+            self._host = [int(t) for t in self.draws.tolist()]
+        return self._host[self.first :]
+
+    def after(self, taken: int) -> _Candidates | None:
+        """The candidates left once the first ``taken`` became verified pairs."""
+        if taken >= self.outputs.shape[1]:
+            return None
+        left = _Candidates(
+            self.slot + taken, self.outputs[:, taken:], self.draws, self.first + taken
+        )
+        left._host = self._host
+        return left
+
+
+@dataclass
 class Proposal:
     """k drafted tokens (lazy), for slots ``slot .. slot + k - 1``."""
 
@@ -104,6 +134,7 @@ class DraftSession:
         # is frontier - 1 the row already predicts the token after the current one.
         self._held: mx.array | None = None
         self._held_slot = -1
+        self._candidates: _Candidates | None = None
         self._discarded = False
 
     # -- state, for the round driver and tests --------------------------------------------
@@ -157,6 +188,7 @@ class DraftSession:
             )
         end = position + count
         if not self._discarded:
+            self._adopt_run(tokens, position, count)
             # Index in the run of the first token whose pair is neither written nor pending.
             first = self._offset + self._pending + 1 - position
             if first == 0 and self._frontier_hidden is None:
@@ -182,6 +214,7 @@ class DraftSession:
         """Flush what is pending. After ``settle(final token)`` the draft cache rests at the
         target's offset."""
         if not self._discarded:
+            self.forget_prepared()
             self._flush(background=True)
         self._held = None
         self._frontier_hidden = None
@@ -196,6 +229,7 @@ class DraftSession:
         self._pending = 0
         self._held = None
         self._frontier_hidden = None
+        self._candidates = None
         if self.cache.offset > self._offset:
             self.cache.rewind(self._offset)
 
@@ -223,6 +257,7 @@ class DraftSession:
         if self._discarded or k < 1 or self._frontier_hidden is None:
             return None
         self._settle(current, background=False)
+        self._drop_candidates()
         if self._held is None or self._held_slot != self._frontier - 1:
             return None
         if self.cache.offset > self._offset:
@@ -256,8 +291,105 @@ class DraftSession:
 
     def _settle(self, next_token: int | mx.array, background: bool) -> None:
         if self._frontier_hidden is not None and self._offset + self._pending == self._frontier - 1:
+            if self._adopt_frontier(next_token):
+                return
             self._queue(_as_ids(next_token), self._frontier_hidden[None])
         self._flush(background)
+
+    # -- pairs written ahead of a verify feed's sync ----------------------------------------
+
+    def prepare(self, current: int, rows: mx.array, draws: mx.array, position: int) -> bool:
+        """A verify feed of ``current`` and its drafts at target ``position`` was dispatched,
+        with target rows ``rows`` ``[n, W]`` and the target's draws ``draws`` ``[n]`` (lazy):
+        write the pairs it may commit in one head forward now, behind the feed on the stream.
+
+        Row j pairs the feed's row j with the draw at the next slot; when j drafts are
+        accepted, draft i equals draw i - 1 for every i <= j, so rows 0..j are exactly the
+        pairs the round commits and the frontier pair after it, whatever j turns out to be.
+        The host builds this forward while the feed computes, and after the sync the next
+        draft needs only its logits: the head's graph building and its forward leave the gap
+        between two feeds. Rows past the acceptance are computed for nothing, and a report
+        that does not match them drops them (``_adopt_run``, ``_adopt_frontier``). False when
+        the session is not where such a feed leaves it (nothing written)."""
+        if self._discarded or self._frontier_hidden is None or self._frontier != position:
+            return False
+        self._drop_candidates()
+        tokens, hiddens = list(self._pending_tokens), list(self._pending_hiddens)
+        if self._offset + self._pending == position - 1:  # the frontier pair: current's
+            tokens.append(_as_ids(current))
+            hiddens.append(self._frontier_hidden[None])
+        if self._offset + sum(t.shape[0] for t in tokens) != position:
+            return False
+        flushed = position - self._offset
+        if self.cache.offset > self._offset:
+            self.cache.rewind(self._offset)
+        y = self.head(
+            mx.concatenate([*tokens, draws.reshape(-1).astype(mx.int32)])[None],
+            mx.concatenate([*hiddens, rows.reshape(-1, rows.shape[-1])])[None],
+            self.cache,
+        )
+        self._pending_tokens.clear()
+        self._pending_hiddens.clear()
+        self._pending = 0
+        self._offset = position
+        self._candidates = _Candidates(position, y[:, flushed:], draws)
+        mx.async_eval(y, self.cache.state)
+        return True
+
+    def _adopt_run(self, tokens, position: int, count: int) -> None:
+        """A run reported at ``position``: the candidates of the slots its tokens complete
+        become verified pairs when their draws are those tokens (all but the frontier pair,
+        which waits for the token after the run). Any other report drops them."""
+        c = self._candidates
+        if c is None:
+            return
+        if (
+            isinstance(tokens, mx.array)
+            or position != c.slot
+            or self._offset != c.slot
+            or self._pending
+            or count - 1 > c.outputs.shape[1]
+        ):
+            self._drop_candidates()
+            return
+        taken = count - 1  # token 0 completed the pair below c.slot already
+        if [int(t) for t in tokens[1:]] != c.tokens()[:taken]:
+            self._drop_candidates()
+            return
+        self._offset += taken
+        self._candidates = c.after(taken)
+
+    def _adopt_frontier(self, next_token: int | mx.array) -> bool:
+        """The frontier pair completed by ``next_token``: its candidate's output becomes the
+        held row (the first draft step) when the candidate drew that token."""
+        c = self._candidates
+        if c is None:
+            return False
+        if (
+            isinstance(next_token, mx.array)
+            or self._pending
+            or c.slot != self._offset
+            or c.slot != self._frontier - 1
+            or c.tokens()[0] != int(next_token)
+        ):
+            self._drop_candidates()
+            return False
+        self._offset += 1
+        self._held = c.outputs[:, :1]
+        self._held_slot = c.slot
+        self.forget_prepared()  # the entries past it were drawn for other outcomes
+        return True
+
+    def _drop_candidates(self) -> None:
+        if self._candidates is not None:
+            self.forget_prepared()
+
+    def forget_prepared(self) -> None:
+        """No candidates any more, and no draft KV entry above the committed offset (also
+        after a ``prepare`` that failed part-way)."""
+        self._candidates = None
+        if self.cache.offset > self._offset:
+            self.cache.rewind(self._offset)
 
     def _queue(self, tokens: mx.array, hiddens: mx.array) -> None:
         self._pending_tokens.append(tokens)
@@ -268,6 +400,7 @@ class DraftSession:
         """One head forward over every pending pair at the committed offset."""
         if not self._pending:
             return
+        self._candidates = None  # their entries are overwritten below
         if self.cache.offset > self._offset:
             self.cache.rewind(self._offset)  # drop speculative entries
         elif self.cache.offset < self._offset:
