@@ -82,6 +82,7 @@ class MlxRoundOps:
         )
         self._x_at: int | None = None  # position of the current x once it is in the history
         self._verified: tuple[int, list[int]] | None = None  # (entry position, drafts)
+        self._head_proposal: Proposal | None = None  # the last head step's, until verified
 
     # -- state ------------------------------------------------------------------------------
 
@@ -164,6 +165,7 @@ class MlxRoundOps:
                 self.constraint.rollback(consumed[0])
         if proposal is None:
             raise HostError("draft head was not ready to propose")
+        self._head_proposal = proposal
         # Start the head's forward now: it computes while the verify feed's graph is built
         # instead of after the feed's first layer is (that layer takes the drafts). A draft
         # that fails to evaluate is left to the verify feed, which evaluates it again and
@@ -264,7 +266,9 @@ class MlxRoundOps:
             if proposal is not None and self._proposal_fails(proposal):
                 raise HeadError(f"draft evaluation failed: {exc}") from exc
             raise TargetError(f"verify forward failed: {exc}") from exc
-        self._prepare_head(current, hidden, successors, entry)
+        if proposal is not None and proposal is self._head_proposal:
+            self._prepare_head(current, hidden, successors, entry)
+        self._head_proposal = None
         try:
             mx.eval(*outputs, [c.state for c in self.caches])
         except Exception as exc:
@@ -287,7 +291,12 @@ class MlxRoundOps:
         """Queue the head's forward over the pairs this feed may commit behind the feed
         (``DraftSession.prepare``), built while the feed computes. The feed's outputs were
         dispatched first, so its sync does not wait for this forward. A head that fails here
-        fails again where the round asks it for drafts, which handles it."""
+        fails again where the round asks it for drafts, which handles it.
+
+        Only a feed of the head's own drafts prepares: the next round is then most likely the
+        head's again. After a suffix draft or a parked step the head's pairs pend and flush in
+        batches, as before: a forward a round over rows most of which a long suffix draft
+        rejects would cost a head that is not drafting more than it saves."""
         prepare = getattr(self.draft, "prepare", None)
         if prepare is None or not self.head_ready:
             return
