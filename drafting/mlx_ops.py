@@ -25,6 +25,7 @@ append.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -33,6 +34,8 @@ from drafting.accept import matched_decision
 from drafting.logprobs import LogprobRows
 from drafting.seam import HeadError, HostError, Replay, TargetError, Verification
 from drafting.session import DraftSession, Proposal
+
+log = logging.getLogger("mtp_runner.drafting")
 
 
 def dispatch_layer(index: int, x: mx.array) -> None:
@@ -217,7 +220,8 @@ class MlxRoundOps:
             raise HeadError(f"draft commit failed: {exc}") from exc
 
     def head_rewind(self, pairs: int) -> None:
-        # Speculative draft entries above the verified pairs are dropped by the next flush;
+        # Speculative draft entries above the verified pairs (a proposal's chain, a prepared
+        # feed's candidates) are dropped by the next flush or by a report they do not match;
         # the verified ones never go beyond what the driver asks to keep.
         if self.head_pairs < pairs:
             raise HeadError(f"draft KV holds {self.head_pairs} pairs, {pairs} asked")
@@ -303,6 +307,7 @@ class MlxRoundOps:
         try:
             prepare(current, hidden, draws, entry)
         except Exception:
+            log.debug("the head's prepared forward failed; it drafts from a flush", exc_info=True)
             self.draft.forget_prepared()
 
     def replay_feed(self, tokens: Sequence[int], successor: bool) -> Replay:

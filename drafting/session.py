@@ -7,8 +7,13 @@ pending, at ``settle``, when a round proposes, or at ``close``. Drafting writes 
 entries above the committed offset; the next flush rewinds them and writes the verified
 pairs from target hiddens, so the head's own hiddens never enter the committed draft KV.
 
-Nothing here evaluates: the caller evaluates drafts together with verification (one host
-sync per round). The session tracks two offsets:
+Behind a verify feed of its drafts the session can write ahead the pairs the feed may commit
+(``prepare``): candidates above the committed offset, adopted as verified by the reports whose
+tokens they drew, dropped (the cache rewound to the offset) by any other report, a flush,
+``close`` or ``discard``.
+
+Nothing here waits on the stream: the caller evaluates drafts together with verification
+(one host sync per round). The session tracks two offsets:
 
     frontier   the slot after the last token reported through ``committed``
     offset     draft KV slots holding verified pairs; offset + pending <= frontier
@@ -65,6 +70,7 @@ class _Candidates:
     slot: int
     outputs: mx.array  # [1, n, D]
     draws: mx.array  # the feed's draws, as the feed evaluates them (read after its sync)
+    current: int  # the feed's first token, which completed the pair below ``slot``
     first: int = 0
     _host: list[int] | None = None
 
@@ -76,10 +82,16 @@ class _Candidates:
 
     def after(self, taken: int) -> _Candidates | None:
         """The candidates left once the first ``taken`` became verified pairs."""
+        if taken == 0:
+            return self
         if taken >= self.outputs.shape[1]:
             return None
         left = _Candidates(
-            self.slot + taken, self.outputs[:, taken:], self.draws, self.first + taken
+            self.slot + taken,
+            self.outputs[:, taken:],
+            self.draws,
+            self.tokens()[taken - 1],  # the last adopted pair's token
+            self.first + taken,
         )
         left._host = self._host
         return left
@@ -299,9 +311,10 @@ class DraftSession:
     # -- pairs written ahead of a verify feed's sync ----------------------------------------
 
     def prepare(self, current: int, rows: mx.array, draws: mx.array, position: int) -> bool:
-        """A verify feed of ``current`` and its drafts at target ``position`` was dispatched,
-        with target rows ``rows`` ``[n, W]`` and the target's draws ``draws`` ``[n]`` (lazy):
-        write the pairs it may commit in one head forward now, behind the feed on the stream.
+        """A verify feed of ``current`` and the drafts just proposed, at target ``position``,
+        was dispatched, with target rows ``rows`` ``[n, W]`` and the target's draws ``draws``
+        ``[n]`` (lazy): write the pairs it may commit in one head forward now, behind the
+        feed on the stream.
 
         Row j pairs the feed's row j with the draw at the next slot; when j drafts are
         accepted, draft i equals draw i - 1 for every i <= j, so rows 0..j are exactly the
@@ -310,29 +323,23 @@ class DraftSession:
         draft needs only its logits: the head's graph building and its forward leave the gap
         between two feeds. Rows past the acceptance are computed for nothing, and a report
         that does not match them drops them (``_adopt_run``, ``_adopt_frontier``). False when
-        the session is not where such a feed leaves it (nothing written)."""
-        if self._discarded or self._frontier_hidden is None or self._frontier != position:
+        the session is not where ``propose`` leaves it (every pair up to ``position`` written,
+        none pending): nothing is written."""
+        if (
+            self._discarded
+            or self._frontier != position
+            or self._offset != position
+            or self._pending
+            or self.cache.offset < self._offset
+        ):
             return False
         self._drop_candidates()
-        tokens, hiddens = list(self._pending_tokens), list(self._pending_hiddens)
-        if self._offset + self._pending == position - 1:  # the frontier pair: current's
-            tokens.append(_as_ids(current))
-            hiddens.append(self._frontier_hidden[None])
-        if self._offset + sum(t.shape[0] for t in tokens) != position:
-            return False
-        flushed = position - self._offset
         if self.cache.offset > self._offset:
-            self.cache.rewind(self._offset)
+            self.cache.rewind(self._offset)  # the proposal's speculative entries
         y = self.head(
-            mx.concatenate([*tokens, draws.reshape(-1).astype(mx.int32)])[None],
-            mx.concatenate([*hiddens, rows.reshape(-1, rows.shape[-1])])[None],
-            self.cache,
+            draws.reshape(1, -1).astype(mx.int32), rows.reshape(1, -1, rows.shape[-1]), self.cache
         )
-        self._pending_tokens.clear()
-        self._pending_hiddens.clear()
-        self._pending = 0
-        self._offset = position
-        self._candidates = _Candidates(position, y[:, flushed:], draws)
+        self._candidates = _Candidates(position, y, draws, current=int(current))
         mx.async_eval(y, self.cache.state)
         return True
 
@@ -349,6 +356,7 @@ class DraftSession:
             or self._offset != c.slot
             or self._pending
             or count - 1 > c.outputs.shape[1]
+            or int(tokens[0]) != c.current
         ):
             self._drop_candidates()
             return

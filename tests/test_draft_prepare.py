@@ -26,35 +26,6 @@ from tests.test_draft_session import (
     run_greedy,
 )
 
-
-def run_prepared(ds, target, prompt, k, sampler, max_tokens=20):
-    """``run_greedy`` with every verify feed's pairs prepared before its result is read."""
-    preds, hiddens = target.feed(prompt)
-    ds.committed(prompt, hiddens, 0)
-    current, emitted = preds[-1], [preds[-1]]
-    while current != EOS and len(emitted) < max_tokens:
-        position = target.cache.offset
-        drafts = ds.propose(current, k, sampler, slot=position + 1).tokens.tolist()
-        preds, hiddens = target.feed([current, *drafts])
-        assert ds.prepare(current, hiddens, mx.array(preds, dtype=mx.int32), position)
-        accepted = 0
-        while accepted < k and drafts[accepted] == preds[accepted]:
-            accepted += 1
-        keep = accepted
-        if EOS in drafts[:accepted]:
-            keep = drafts.index(EOS)
-            accepted = keep + 1
-        emitted += drafts[:accepted]
-        target.cache.rewind(position + 1 + keep)
-        ds.committed([current, *drafts[:keep]], hiddens[: keep + 1], position)
-        current = drafts[keep] if keep < accepted else preds[accepted]
-        if keep == accepted:
-            emitted.append(current)
-    ds.settle(current)
-    ds.close()
-    return emitted
-
-
 CHAIN = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6, 6: 8, 8: 9, 9: EOS}
 WRONG_AFTER_3 = {**CHAIN, 3: 6}  # the head drafts 6 where the target says 4
 
@@ -71,12 +42,13 @@ def test_prepared_rounds_commit_the_pairs_and_draw_the_drafts_of_unprepared_ones
             k,
             plain_sampler,
         )
-        prepared = run_prepared(
+        prepared = run_greedy(
             DraftSession(prepared_head, prepared_cache, one_hot_unembed),
             Target(CHAIN),
             [1],
             k,
             prepared_sampler,
+            prepare=True,
         )
         assert prepared == plain == [2, 3, 4, 5, 6, 8, 9, EOS]
         assert draft_kv(prepared_cache) == draft_kv(plain_cache)
@@ -86,16 +58,20 @@ def test_prepared_rounds_commit_the_pairs_and_draw_the_drafts_of_unprepared_ones
         ]
 
 
-def test_the_next_draft_reads_the_prepared_row_without_a_flush():
-    head, cache = ScriptedHead(CHAIN), KVCache()
-    target = Target(CHAIN)
+def prepared_round(k: int):
+    """A session after the prompt [1] whose round at x = 2 proposed k drafts and prepared its
+    verify feed: (head, cache, target, session, the feed's hidden rows)."""
+    head, cache, target = ScriptedHead(CHAIN), KVCache(), Target(CHAIN)
     ds = DraftSession(head, cache, one_hot_unembed)
-    preds, hiddens = target.feed([1])
-    ds.committed([1], hiddens, 0)
-    drafts = ds.propose(2, 2, GreedySampler(), slot=2).tokens.tolist()
-    assert drafts == [3, 4]
-    preds, hiddens = target.feed([2, 3, 4])
+    ds.committed([1], target.feed([1])[1], 0)
+    drafts = ds.propose(2, k, GreedySampler(), slot=2).tokens.tolist()
+    preds, hiddens = target.feed([2, *drafts])
     assert ds.prepare(2, hiddens, mx.array(preds, dtype=mx.int32), 1)
+    return head, cache, target, ds, hiddens
+
+
+def test_the_next_draft_reads_the_prepared_row_without_a_flush():
+    head, cache, _, ds, hiddens = prepared_round(2)
     # One forward over the three rows the feed may commit, each paired with the target's
     # draw after it, written above the committed offset.
     assert head.extends()[-1] == (1, [3, 4, 5], [1, 2, 3])
@@ -109,14 +85,7 @@ def test_the_next_draft_reads_the_prepared_row_without_a_flush():
 
 
 def test_a_report_the_candidates_did_not_draw_drops_them():
-    head, cache = ScriptedHead(CHAIN), KVCache()
-    target = Target(CHAIN)
-    ds = DraftSession(head, cache, one_hot_unembed)
-    _, hiddens = target.feed([1])
-    ds.committed([1], hiddens, 0)
-    ds.propose(2, 2, GreedySampler(), slot=2)
-    preds, hiddens = target.feed([2, 3, 4])
-    ds.prepare(2, hiddens, mx.array(preds, dtype=mx.int32), 1)
+    _, cache, target, ds, hiddens = prepared_round(2)
     # The round keeps x only, and the next token is a forced one (not the draw 3).
     target.cache.rewind(2)
     ds.committed([2], hiddens[:1], 1)
@@ -127,15 +96,19 @@ def test_a_report_the_candidates_did_not_draw_drops_them():
     assert cache.offset == target.cache.offset == 2
 
 
+def test_a_run_after_another_first_token_drops_the_candidates():
+    _, cache, target, ds, hiddens = prepared_round(2)
+    # The draw 3 matches, but the run's first token is not the feed's x: the candidate at
+    # slot 1 was not computed for this run, so its pair is queued from the reported rows.
+    ds.committed([9, 3], hiddens[:2], 1)
+    assert ds.offset == 1 and ds.pending == 1 and cache.offset == 1
+    ds.settle(4)
+    ds.close()
+    assert draft_kv(cache) == ([2, 3, 4], [0, 1, 2])
+
+
 def test_close_after_a_prepared_feed_leaves_only_verified_pairs():
-    head, cache = ScriptedHead(CHAIN), KVCache()
-    target = Target(CHAIN)
-    ds = DraftSession(head, cache, one_hot_unembed)
-    _, hiddens = target.feed([1])
-    ds.committed([1], hiddens, 0)
-    ds.propose(2, 3, GreedySampler(), slot=2)
-    preds, hiddens = target.feed([2, 3, 4, 5])
-    ds.prepare(2, hiddens, mx.array(preds, dtype=mx.int32), 1)
+    _, cache, target, ds, hiddens = prepared_round(3)
     assert cache.offset == 5  # four candidates above the committed offset 1
     target.cache.rewind(3)
     ds.committed([2, 3], hiddens[:2], 1)  # the request stops after draft 1 (a stop string)
@@ -144,31 +117,19 @@ def test_close_after_a_prepared_feed_leaves_only_verified_pairs():
     assert cache.offset == ds.offset == 2
 
 
-def test_a_suffix_round_prepares_the_open_frontier_pair_with_the_feed():
-    head, cache = ScriptedHead(CHAIN), KVCache()
-    target = Target(CHAIN)
+def test_a_session_not_where_a_proposal_leaves_it_prepares_nothing():
+    head, cache, target = ScriptedHead(CHAIN), KVCache(), Target(CHAIN)
     ds = DraftSession(head, cache, one_hot_unembed)
-    _, hiddens = target.feed([1, 2])
-    ds.committed([1, 2], hiddens, 0)  # pair (2, slot 0) pending, the frontier pair open
-    assert ds.pending == 1
-    preds, hiddens = target.feed([3, 4, 5])  # a feed of known drafts: no proposal
-    assert ds.prepare(3, hiddens, mx.array(preds, dtype=mx.int32), 2)
-    assert head.extends() == [(0, [2, 3, 4, 5, 6], [0, 1, 2, 3, 4])]
-    ds.committed([3, 4, 5], hiddens, 2)
-    ds.settle(6)
-    ds.close()
-    assert draft_kv(cache) == ([2, 3, 4, 5, 6], [0, 1, 2, 3, 4])
-    assert len(head.calls) == 1 and cache.offset == target.cache.offset == 5
-
-
-def test_a_session_behind_the_feed_prepares_nothing():
-    head, cache = ScriptedHead(CHAIN), KVCache()
-    ds = DraftSession(head, cache, one_hot_unembed)
-    ds.committed([1], Target(CHAIN).feed([1])[1], 0)
-    assert not ds.prepare(2, mx.zeros((2, 2)), mx.array([3, 4]), 3)  # frontier is 1
+    ds.committed([1, 2], target.feed([1, 2])[1], 0)  # a pair pending, the frontier pair open
+    rows, draws = target.feed([3, 4])[1], mx.array([4, 5])
+    assert not ds.prepare(3, rows, draws, 2)  # no proposal flushed the pending pairs
+    assert not ds.prepare(3, rows, draws, 3)  # not the frontier
     assert head.calls == [] and cache.offset == 0
+    ds.settle(3)
+    cache.rewind(0)  # something lowered the draft cache under the session
+    assert not ds.prepare(3, rows, draws, 2)
     ds.discard()
-    assert not ds.prepare(2, mx.zeros((2, 2)), mx.array([3, 4]), 1)
+    assert not ds.prepare(3, rows, draws, 2)
 
 
 # -- a real model: faults anywhere in the head's calls, prepared ones included

@@ -178,8 +178,10 @@ def test_restored_prefix_rewrites_the_boundary_pair():
     assert draft_kv(cache) == ([2, 3, 4, 5, 6, 1], [0, 1, 2, 3, 4, 5])
 
 
-def run_greedy(ds, target, prompt, k, sampler, max_tokens=20):
-    """A minimal greedy round driver over the session: returns the emitted tokens."""
+def run_greedy(ds, target, prompt, k, sampler, max_tokens=20, prepare=False):
+    """A minimal greedy round driver over the session: returns the emitted tokens.
+    ``prepare``: each verify feed's pairs are prepared (``DraftSession.prepare``) before its
+    result is read."""
     preds, hiddens = target.feed(prompt)
     ds.committed(prompt, hiddens, 0)
     current, emitted = preds[-1], [preds[-1]]
@@ -188,6 +190,8 @@ def run_greedy(ds, target, prompt, k, sampler, max_tokens=20):
         proposal = ds.propose(current, k, sampler, slot=position + 1)
         drafts = proposal.tokens.tolist()
         preds, hiddens = target.feed([current, *drafts])
+        if prepare:
+            assert ds.prepare(current, hiddens, mx.array(preds, dtype=mx.int32), position)
         accepted = 0
         while accepted < k and drafts[accepted] == preds[accepted]:
             accepted += 1
