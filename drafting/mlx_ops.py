@@ -262,7 +262,9 @@ class MlxRoundOps:
             decision_accept, successors = matched_decision(target, drafts)
             rows = self._logprob_rows(logits, successors)
             outputs = (drafts, decision_accept, successors, hidden, rows)
-            mx.async_eval(*outputs, [c.state for c in self.caches])
+            prepare = proposal is not None and proposal is self._head_proposal
+            if prepare:  # dispatched before the head's forward, so the sync waits for them only
+                mx.async_eval(*outputs, [c.state for c in self.caches])
         except Exception as exc:  # building the graph failed: the caches rewind to entry
             self.rewind_quietly(entry)
             # Layers start as they are built, so the lazy drafts may have run (and failed)
@@ -270,7 +272,7 @@ class MlxRoundOps:
             if proposal is not None and self._proposal_fails(proposal):
                 raise HeadError(f"draft evaluation failed: {exc}") from exc
             raise TargetError(f"verify forward failed: {exc}") from exc
-        if proposal is not None and proposal is self._head_proposal:
+        if prepare:
             self._prepare_head(current, hidden, successors, entry)
         self._head_proposal = None
         try:
