@@ -269,11 +269,9 @@ class DraftSession:
         if self._discarded or k < 1 or self._frontier_hidden is None:
             return None
         self._settle(current, background=False)
-        self._drop_candidates()
+        self.forget_prepared()  # and the last proposal's speculative entries
         if self._held is None or self._held_slot != self._frontier - 1:
             return None
-        if self.cache.offset > self._offset:
-            self.cache.rewind(self._offset)
         y = self._held
         columns = getattr(self.head, "draft_columns", None)
         drafts: list[mx.array] = []
@@ -333,9 +331,7 @@ class DraftSession:
             or self.cache.offset < self._offset
         ):
             return False
-        self._drop_candidates()
-        if self.cache.offset > self._offset:
-            self.cache.rewind(self._offset)  # the proposal's speculative entries
+        self.forget_prepared()  # and the proposal's speculative entries
         y = self.head(
             draws.reshape(1, -1).astype(mx.int32), rows.reshape(1, -1, rows.shape[-1]), self.cache
         )
@@ -358,11 +354,11 @@ class DraftSession:
             or count - 1 > c.outputs.shape[1]
             or int(tokens[0]) != c.current
         ):
-            self._drop_candidates()
+            self.forget_prepared()
             return
         taken = count - 1  # token 0 completed the pair below c.slot already
         if [int(t) for t in tokens[1:]] != c.tokens()[:taken]:
-            self._drop_candidates()
+            self.forget_prepared()
             return
         self._offset += taken
         self._candidates = c.after(taken)
@@ -380,7 +376,7 @@ class DraftSession:
             or c.slot != self._frontier - 1
             or c.tokens()[0] != int(next_token)
         ):
-            self._drop_candidates()
+            self.forget_prepared()
             return False
         self._offset += 1
         self._held = c.outputs[:, :1]
@@ -388,13 +384,9 @@ class DraftSession:
         self.forget_prepared()  # the entries past it were drawn for other outcomes
         return True
 
-    def _drop_candidates(self) -> None:
-        if self._candidates is not None:
-            self.forget_prepared()
-
     def forget_prepared(self) -> None:
-        """No candidates any more, and no draft KV entry above the committed offset (also
-        after a ``prepare`` that failed part-way)."""
+        """No candidates any more, and no draft KV entry above the committed offset: a
+        proposal's chain, candidates, what a ``prepare`` that failed part-way wrote."""
         self._candidates = None
         if self.cache.offset > self._offset:
             self.cache.rewind(self._offset)
