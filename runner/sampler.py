@@ -222,6 +222,9 @@ class Sampler:
         self._top_p = float(params.top_p) if 0 < params.top_p < 1 else 0.0
         self._min_p = min(float(params.min_p), 1.0) if params.min_p > 0 else 0.0
         self._filter_fn = None  # the compiled filter, bound at first use (never when greedy)
+        # The compiled filters of rows over a draft vocabulary's columns, by their top-k (a
+        # compiled function made anew per draw would be traced anew per draw).
+        self._column_filters: dict[int, object] = {}
         self._repeat = float(params.repeat_penalty) if params.repeat_penalty > 0 else 1.0
         self._presence = float(params.presence_penalty)
         self._frequency = float(params.frequency_penalty)
@@ -331,7 +334,11 @@ class Sampler:
             out = self._filter_fn(logits)
             return out[0], (out[1] if len(out) > 1 else None)
         top_k = self._top_k if self._top_k < columns.count else 0
-        out = _compiled_filter(top_k, self._top_p, self._min_p, self._temperature)(logits)
+        fn = self._column_filters.get(top_k)
+        if fn is None:
+            fn = _compiled_filter(top_k, self._top_p, self._min_p, self._temperature)
+            self._column_filters[top_k] = fn
+        out = fn(logits)
         if len(out) == 1:
             return out[0], mx.broadcast_to(columns.ids, out[0].shape)
         return out[0], columns.ids[out[1]]
