@@ -68,6 +68,7 @@ sys.path.insert(0, ROOT)
 
 from drafting.suffix import RECENT_TOKENS  # noqa: E402
 from scripts.bench import common as bc  # noqa: E402
+from scripts.bench import lookup_bound  # noqa: E402
 from scripts.bench.spec import PROMPTS  # noqa: E402
 
 Job = dict[str, Any]  # {"messages": [...], "format": a JSON schema or None}
@@ -305,6 +306,8 @@ def summarise(rows: list[dict]) -> dict:
     for source in ("head", "suffix"):
         s = {k: sum(r["sources"][source][k] for r in rows) for k in COUNTS}
         out[source] = {**s, "share": s["accepted"] / max(1, tokens)}
+    names = set.intersection(*(set(r.get("ceiling", {})) for r in rows)) if rows else set()
+    out["ceiling"] = {n: statistics.median(r["ceiling"][n] for r in rows) for n in sorted(names)}
     return out
 
 
@@ -421,6 +424,7 @@ def measure(
     got = {arm: run_one(engines[arm], job, arm != "plain", tokens, sampling) for arm in order}
     plain_done, plain_ids = got["plain"]
     plain_tps = plain_done.eval_tokens / max(1, plain_done.eval_ns) * 1e9
+    ceilings = ceiling_row(engines, job, sampling, plain_ids, got, plain_tps)
     out = []
     for arm in arms:
         done, ids = got[arm]
@@ -432,8 +436,36 @@ def measure(
         row.update(drafted=sp.drafted, accepted=sp.accepted, identical=diff is None)
         row.update(first_difference=diff, forwards=max(1, done.eval_tokens - sp.accepted))
         row["sources"] = {s: source_counts(sp, s) for s in ("head", "suffix")}
+        row["ceiling"] = ceilings
         out.append(row)
     return out, plain_ids
+
+
+def ceiling_row(
+    engines: dict, job: Job, sampling: dict, ids: list[int], got: dict, plain_tps: float
+) -> dict[str, float]:
+    """The oracle's ceilings on this answer (scripts/bench/lookup_bound.py): the index's runs
+    and any earlier text's, each at the suffix model's learned round costs with the head's
+    measured rate elsewhere (1 without a head arm), and any text's with rows free (a verify
+    round of any length costs one plain step)."""
+    state = engines["both"].status()["speculation"].get("suffix")
+    if state is None:
+        return {}
+    base, slope = state["cost_line"]
+    prompt = list(engines["both"].prepare(request(job, False, 1, sampling)).prompt)
+    head = 1.0
+    if "head" in got:
+        done = got["head"][0]
+        head = done.eval_tokens / max(1, done.eval_ns) * 1e9 / plain_tps
+    runs = {
+        "index": lookup_bound.index_runs(prompt, ids),
+        "any": lookup_bound.any_runs(prompt, ids),
+    }
+    learned = lambda rows: max(base + slope * (rows - 1), 1.0)  # noqa: E731
+    out = {name: lookup_bound.ceiling(r, learned, head) for name, r in runs.items()}
+    out["any, rows free"] = lookup_bound.ceiling(runs["any"], lambda rows: 1.0, head)
+    out["copyable"] = sum(1 for r in runs["any"] if r) / max(1, len(ids))
+    return out
 
 
 def table(records: list[dict], families: list[str], modes: list[str], arms: list[str]) -> tuple:
@@ -458,6 +490,28 @@ def table(records: list[dict], families: list[str], modes: list[str], arms: list
                     f"{h['share']:.2f} | {x['share']:.2f} | {s['identical']}/{s['prompts']} |"
                 )
     return "\n".join(lines), summary
+
+
+def ceiling_table(summary: dict, families: list[str], modes: list[str]) -> str:
+    """Per family and mode: the measured ratios beside the oracle's ceilings (medians over
+    prompts; ``lookup_bound``), and the share of the answer's tokens some lookup draft holds."""
+    lines = [
+        "| family | mode | head | both | ceiling, index | ceiling, any text "
+        "| any text, rows free | copyable |",
+        "|" + "---|" * 8,
+    ]
+    for family in families:
+        for mode in modes:
+            arms = summary[family][mode]
+            c = arms["plain"].get("ceiling", {})
+            if not c:
+                continue
+            got = [f"{arms[a]['ratio']:.2f}" if a in arms else "-" for a in ("head", "both")]
+            lines.append(
+                f"| {family} | {mode} | {' | '.join(got)} | {c['index']:.2f} | {c['any']:.2f} "
+                f"| {c['any, rows free']:.2f} | {c['copyable']:.2f} |"
+            )
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -515,7 +569,8 @@ def main() -> int:
 
     text, summary = table(records, families, modes, arms)
     mismatches = [r for r in records if not r["identical"]]
-    print(f"\n{text}\n\n{len(records)} completions in {seconds:.0f} s; load {os.getloadavg()}")
+    print(f"\n{text}\n\n{ceiling_table(summary, families, modes)}")
+    print(f"\n{len(records)} completions in {seconds:.0f} s; load {os.getloadavg()}")
     for r in mismatches:
         where = f"{r['family']} {r['mode']} #{r['prompt']} {r['arm']}"
         print(f"!!! MISMATCH {where}: differs from plain at token {r['first_difference']}")
