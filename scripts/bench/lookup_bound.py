@@ -9,9 +9,9 @@ own draws whatever was drafted, so the same ceiling holds greedy and sampled.
 - **Copyable run** at position t: how many of the answer's next tokens a lookup draft after
   token t could hold. ``index_runs``: the draft of the runner's own index
   (``drafting.suffix.SuffixIndex``: the longest match of the last tokens, cut where matches
-  disagree), counted up to its first wrong token. ``any_runs``: the longest run that follows
-  any earlier occurrence of token t in the prompt or the answer so far, which is what the
-  best possible choice of earlier text could give a lookup drafter.
+  disagree), counted up to its first wrong token.
+  ``any_runs``: the longest run of them found anywhere in the text seen, which is what the
+  best possible choice of earlier text could give any lookup drafter.
 - **Ceiling** (``ceiling``): an oracle that knows every copyable run drafts exactly that
   far, never a token more, and decodes every other token at the head's rate on the same answer
   (its measured ratio to plain; 1 without a head). A verify round of r rows costs what the
@@ -50,22 +50,25 @@ def index_runs(prompt: Sequence[int], answer: Sequence[int], limit: int = MAX_DR
 
 
 def any_runs(prompt: Sequence[int], answer: Sequence[int], limit: int = MAX_DRAFT) -> list[int]:
-    """Per answer position t: the longest run of the answer's next tokens that follows any
-    earlier occurrence of token t (in the prompt or the answer before t), at most ``limit``."""
+    """Per answer position t: the longest run of the answer's next tokens found anywhere in
+    the text seen by then (the prompt and the answer through t; a run reaching the end of
+    that text goes on around its period, as the index's loops do), at most ``limit``."""
     text = list(prompt)
     places: dict[int, list[int]] = {}
     for p, token in enumerate(text):
         places.setdefault(token, []).append(p)
     runs = []
     for t, token in enumerate(answer):
-        best = 0
-        for p in places.get(token, ()):
-            # Only text written before t: a draft cannot read what follows the current token.
-            seen = text[p + 1 : min(p + 1 + limit, len(text))]
-            best = max(best, _agreeing(seen, answer, t + 1))
-        runs.append(best)
         places.setdefault(token, []).append(len(text))
         text.append(token)
+        best = 0
+        if t + 1 < len(answer):
+            for p in places.get(answer[t + 1], ()):
+                period = len(text) - p
+                draft = text[p : p + limit]
+                draft += [draft[i % period] for i in range(len(draft), limit)]
+                best = max(best, _agreeing(draft, answer, t + 1))
+        runs.append(best)
     return runs
 
 
