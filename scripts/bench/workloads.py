@@ -32,7 +32,10 @@ Reported per family x mode x arm: median tokens/s (eval_tokens / eval_ns) over p
 median per-prompt ratio to plain, tokens per target forward (eval_tokens / (eval_tokens -
 accepted): a round commits its accepted drafts plus one token, a plain step one token),
 accepted/drafted and rounds per drafter, and each drafter's share of the tokens (its
-accepted drafts / eval_tokens). A markdown table is printed; JSON goes to ``--out``.
+accepted drafts / eval_tokens); then, per family and mode, how far a lookup drafter could go
+on plain's answers (``lookup_bound``: an oracle's ceilings, from this index's runs and from
+any earlier text's, at the learned round costs and with rows free). Markdown tables are
+printed; JSON goes to ``--out``.
 
 ``--llamacpp`` adds llama.cpp (llama-cpp-python in ``.venv-llamacpp``, see
 scripts/bench/llamacpp.py; one thread) on the same GGUF and the same rendered prompt ids,
