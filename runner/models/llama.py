@@ -550,11 +550,12 @@ class Model(nn.Module):
             if layer.compiled is not None and layer.compiled.serves(x):
                 before, after = layer.compiled.before_cache, layer.compiled.after_attention
             q, k, v = before(x, *rope)
+            # Each row's query, key and value as views from one split a tensor: one node where
+            # a slice per row was R (each node is a task of its own on the CPU stream).
+            split = [mx.split(t, rows, axis=2) if rows > 1 else [t] for t in (q, k, v)]
             parts = [
-                attn.attend_cached(
-                    q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], None, row[index]
-                )
-                for i, row in enumerate(caches)
+                attn.attend_cached(qi, ki, vi, None, row[index])
+                for qi, ki, vi, row in zip(*split, caches, strict=True)
             ]
             x = after(x, parts[0] if rows == 1 else mx.concatenate(parts, axis=2))
             # Start each layer as soon as it is built (drafting.mlx_ops.dispatch_layer says why).
