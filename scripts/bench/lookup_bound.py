@@ -28,14 +28,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from drafting.suffix import MAX_DRAFT, SuffixIndex
+from scripts.bench.common import first_difference
+
+ROWS = MAX_DRAFT + 1  # the most rows a round of the longest draft verifies
 
 
 def _agreeing(draft: Sequence[int], answer: Sequence[int], start: int) -> int:
     """How many leading tokens of ``draft`` equal ``answer`` from ``start`` on."""
-    run = 0
-    while run < len(draft) and start + run < len(answer) and draft[run] == answer[start + run]:
-        run += 1
-    return run
+    differ = first_difference(draft, answer[start : start + len(draft)])
+    return len(draft) if differ is None else differ
 
 
 def index_runs(prompt: Sequence[int], answer: Sequence[int], limit: int = MAX_DRAFT) -> list[int]:

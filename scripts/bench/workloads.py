@@ -451,10 +451,11 @@ def ceiling_row(
     and any earlier text's, each at the suffix model's learned round costs with the head's
     measured rate elsewhere (1 without a head arm), and any text's with rows free (a verify
     round of any length costs one plain step)."""
-    state = engines["both"].status()["speculation"].get("suffix")
-    if state is None:
+    speculation = engines["both"].speculation
+    if speculation is None or speculation.suffix is None:
         return {}
-    base, slope = state["cost_line"]
+    # The suffix model's own prices of a round, as they stand now, per row count.
+    learned = [speculation.suffix.relative_cost(rows) for rows in range(lookup_bound.ROWS + 1)]
     prompt = list(engines["both"].prepare(request(job, False, 1, sampling)).prompt)
     head = 1.0
     if "head" in got:
@@ -464,8 +465,7 @@ def ceiling_row(
         "index": lookup_bound.index_runs(prompt, ids),
         "any": lookup_bound.any_runs(prompt, ids),
     }
-    learned = lambda rows: max(base + slope * (rows - 1), 1.0)  # noqa: E731
-    out = {name: lookup_bound.ceiling(r, learned, head) for name, r in runs.items()}
+    out = {name: lookup_bound.ceiling(r, learned.__getitem__, head) for name, r in runs.items()}
     out["any, rows free"] = lookup_bound.ceiling(runs["any"], lambda rows: 1.0, head)
     out["copyable"] = sum(1 for r in runs["any"] if r) / max(1, len(ids))
     return out
