@@ -239,16 +239,38 @@ class MlxRoundOps:
     # -- target -----------------------------------------------------------------------------
 
     def verify_feed(self, current: int, proposal) -> Verification:
+        ids, entry = self.verify_ids(current, proposal)
+        try:
+            hidden = self.model.hidden(ids[None], self.caches, **self._layer_hook)[0]
+        except Exception as exc:  # building the graph failed: the caches rewind to entry
+            self._feed_failed(entry, proposal, exc)
+        return self.verify_rows(current, proposal, entry, hidden)
+
+    # A verify feed inside a forward shared with other requests (``runner.batch``) runs in
+    # two parts around it: ``verify_ids`` before (the tokens to feed at ``position``),
+    # ``verify_rows`` on this request's hidden rows of its output.
+    def verify_ids(self, current: int, proposal) -> tuple[mx.array, int]:
+        """The int32 ``[1 + k]`` tokens of a verify feed of [current, d1..dk] at the entry
+        position (returned too); current enters the history, every recurrent layer is told
+        which states the feed must keep."""
         self._feed_x(current)
         entry = self.position
+        ids = mx.array([current], dtype=mx.int32)
+        if proposal is not None:
+            ids = mx.concatenate([ids, proposal.tokens.astype(mx.int32)])
+        for c in self._recurrent:  # the state after every prefix of the feed
+            c.keep(range(entry + 1, entry + ids.shape[0] + 1))
+        return ids, entry
+
+    def verify_rows(
+        self, current: int, proposal, entry: int, hidden: mx.array, logits: mx.array | None = None
+    ) -> Verification:
+        """The verification of a feed of ``verify_ids`` at ``entry`` from its hidden rows
+        ``[1 + k, D]`` and their logits (lazy; computed here when None): the target's draws,
+        the decisions, one sync."""
         try:
-            ids = mx.array([current], dtype=mx.int32)
-            if proposal is not None:
-                ids = mx.concatenate([ids, proposal.tokens.astype(mx.int32)])
-            for c in self._recurrent:  # the state after every prefix of the feed
-                c.keep(range(entry + 1, entry + ids.shape[0] + 1))
-            hidden = self.model.hidden(ids[None], self.caches, **self._layer_hook)[0]
-            logits = self.model.unembed(hidden)
+            if logits is None:
+                logits = self.model.unembed(hidden)
             drafts = mx.zeros((0,), dtype=mx.int32)
             if proposal is not None:
                 drafts = proposal.tokens.astype(mx.int32)
@@ -265,23 +287,15 @@ class MlxRoundOps:
             prepare = proposal is not None and proposal is self._head_proposal
             if prepare:  # dispatched before the head's forward, so the sync waits for them only
                 mx.async_eval(*outputs, [c.state for c in self.caches])
-        except Exception as exc:  # building the graph failed: the caches rewind to entry
-            self.rewind_quietly(entry)
-            # Layers start as they are built, so the lazy drafts may have run (and failed)
-            # here already: the head's failure, not the target's.
-            if proposal is not None and self._proposal_fails(proposal):
-                raise HeadError(f"draft evaluation failed: {exc}") from exc
-            raise TargetError(f"verify forward failed: {exc}") from exc
+        except Exception as exc:
+            self._feed_failed(entry, proposal, exc)
         if prepare:
             self._prepare_head(current, hidden, successors, entry)
         self._head_proposal = None
         try:
             mx.eval(*outputs, [c.state for c in self.caches])
         except Exception as exc:
-            self.rewind_quietly(entry)
-            if proposal is not None and self._proposal_fails(proposal):
-                raise HeadError(f"draft evaluation failed: {exc}") from exc
-            raise TargetError(f"verify forward failed: {exc}") from exc
+            self._feed_failed(entry, proposal, exc)
         drafted = drafts.tolist()
         self._verified = (entry, drafted)
         successors = [int(s) for s in successors.tolist()]
@@ -292,6 +306,15 @@ class MlxRoundOps:
             successors=successors,
             rows=hidden,
         )
+
+    def _feed_failed(self, entry: int, proposal, exc: Exception) -> None:
+        """A verify feed failed: the caches rewind to ``entry``; raises the head's failure
+        when the lazy drafts fail to evaluate (layers start as they are built, so they may
+        have run and failed inside the feed), else the target's."""
+        self.rewind_quietly(entry)
+        if proposal is not None and self._proposal_fails(proposal):
+            raise HeadError(f"draft evaluation failed: {exc}") from exc
+        raise TargetError(f"verify forward failed: {exc}") from exc
 
     def _prepare_head(self, current: int, hidden: mx.array, draws: mx.array, entry: int) -> None:
         """Queue the head's forward over the pairs this feed may commit behind the feed

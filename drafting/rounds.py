@@ -45,6 +45,12 @@ SUFFIX       as SPECULATE with the suffix drafter's k drafts (``drafting.suffix`
              controller sees no such round (``round_elsewhere``), the suffix model learns
              its acceptance.
 
+SHARED       a round inside a forward shared with other requests (``shared_round``, then
+             ``settle`` once that forward computed): the shared step emitted and judged x
+             as a plain step does, and it goes on; SUFFIX from x, when the draft's expected
+             extra tokens beat what its rows cost every request in the forward; the head
+             does not draft there (a head step per request would serialise).
+
 WARM         the request's first round (``warm_round``): x is the prompt's last token, not
              yet fed, never emitted (``fed_prompt``: it is in the penalty history and the
              matcher already). The head drafts from the prefill's frontier, the suffix
@@ -160,6 +166,23 @@ class _Emission:
     end: str | None = None
     forced: list[int] = field(default_factory=list)
     failure: BaseException | None = None
+
+
+@dataclass
+class OpenRound:
+    """A speculative round opened up to its verify feed: the current token, the k drafts
+    (``draft``, a suffix draft, or the head's ``proposal``), whether it is the warm round,
+    and the entry: the target's position, the head's pairs and the captured state."""
+
+    x: int
+    k: int
+    draft: object | None
+    warm: bool
+    position: int
+    pairs: int
+    entry: object
+    source: str  # the drafter the statistics count it under
+    proposal: object = None
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -397,31 +420,64 @@ class RoundDriver:
         no head step; the head still follows the committed run). ``warm``: x is the prompt's
         last token (WARM): never emitted nor committed as generated; where a round would fall
         back to target-only, None with the caches at the entry (the caller feeds x plainly)."""
-        entry_position = self.ops.position
-        entry_pairs = self.ops.head_pairs if self.ops.head_alive else 0
-        entry = self.ops.capture()
-        source = self.ops.draft_source if draft is None else "suffix"
+        opened = self._open(x, k, draft, warm)
+        if not isinstance(opened, OpenRound):  # the head step failed
+            return opened
+        return self.settle(opened, lambda: self.ops.verify_feed(x, opened.proposal))
 
+    def _open(self, x: int, k: int, draft, warm: bool) -> OpenRound | RoundEnd | None:
+        """A speculative round up to its verify feed: the entry captured and the proposal
+        made (HEAD_STEP_FAILED: what the round ends with instead)."""
+        entry_pairs = self.ops.head_pairs if self.ops.head_alive else 0
+        source = self.ops.draft_source if draft is None else "suffix"
+        position, entry = self.ops.position, self.ops.capture()
+        opened = OpenRound(x, k, draft, warm, position, entry_pairs, entry, source)
         if draft is not None:
-            proposal = self.ops.fixed_proposal(draft.tokens)
+            opened.proposal = self.ops.fixed_proposal(draft.tokens)
         else:
             try:
-                proposal = self.ops.head_step(x, k)
+                opened.proposal = self.ops.head_step(x, k)
             except OpError as error:  # HEAD_STEP_FAILED
                 # The drafts it proposed before failing count, as a round failing later.
-                self.stats.record_drafted(min(max(error.drafted, 0), k), source)
+                self.stats.record_drafted(min(max(error.drafted, 0), k), opened.source)
                 if isinstance(error, HostError):  # host side: drop its entries and resume
                     self._head_rewind(entry_pairs)
                 else:  # the head is gone for this request
                     self._discard_head()
                 return None if warm else self._target_only(x)
-        self.stats.record_drafted(k, source)  # proposed, whatever happens from here
+        self.stats.record_drafted(k, opened.source)  # proposed, whatever happens next
+        return opened
 
+    def shared_round(self, x: int, row_cost: float, limit: int) -> OpenRound | None:
+        """SHARED: x was emitted and judged by a step shared with other requests and goes
+        on; the opening of a round that feeds [x, d1..dk] in that forward with the suffix
+        drafter's draft after x (at most ``limit`` tokens), when its expected extra tokens
+        beat ``row_cost`` tokens a row (the step's own rate, which the rows slow for every
+        request in it), else None (x is fed as a plain row). The forward's caller settles
+        it (:meth:`settle`) with the verification of this request's rows."""
+        if self.suffix is None or not self._depth.enabled or limit < 1:
+            return None
+        remaining = self.remaining()
+        limit = min(limit, MAX_DRAFT_DEPTH if remaining is None else remaining)
+        if limit < 1 or not self.suffix.expects_copy():
+            return None
+        draft = self.suffix.shared_draft(x, limit, row_cost)
+        if draft is None:
+            return None
+        self._depth.round_elsewhere()
+        opened = self._open(x, len(draft.tokens), draft, False)
+        return opened if isinstance(opened, OpenRound) else None
+
+    def settle(self, opened: OpenRound, verify: Callable[[], Verification]) -> RoundEnd | None:
+        """The rest of a round opened by :meth:`_open` (or :meth:`shared_round`): ``verify``
+        runs its verify feed, then acceptance, emission and RECONCILE."""
+        x, k, draft, warm = opened.x, opened.k, opened.draft, opened.warm
+        entry_position, entry_pairs, source = opened.position, opened.pairs, opened.source
         try:
-            verified = self.ops.verify_feed(x, proposal)
+            verified = verify()
             self._check(verified, k)
         except HeadError:  # DRAFT_EVAL_FAILED
-            self._restore(entry)
+            self._restore(opened.entry)
             self._discard_head()
             return None if warm else self._target_only(x)
         except TargetError as error:  # TARGET_FAILED

@@ -410,6 +410,26 @@ class SuffixModel:
                 best, best_rate = k, rate
         return best, best_rate
 
+    def shared_length(self, bucket: int, available: int, row_cost: float) -> int:
+        """The draft length (at most ``available``, 0: none) whose expected extra tokens
+        most exceed ``row_cost`` tokens a row: a draft in a forward shared with other
+        requests slows every one of them, so it pays by what it adds to the step, not by
+        its own round's rate."""
+        first, rest = self._rates(bucket)
+        best, best_gain = 0, 0.0
+        extra, run, summed = 0.0, first, 0
+        for k in LENGTHS:
+            if k > available:
+                break
+            for _ in range(k - summed):
+                extra += run
+                run *= rest
+            summed = k
+            gain = extra - row_cost * k
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
     def state(self) -> dict:
         """Plain values for the ``status`` frame."""
         with self._lock:
@@ -480,13 +500,7 @@ class SuffixDrafter:
         """The draft to verify after ``current`` (at most ``limit`` tokens) and its rate, or
         ``(None, 1.0)`` when the index has none worth its rows. ``indexed``: ``current`` is
         the index's last token already (the prompt's last, in a warm round)."""
-        self.sync()
-        seq = self.index.tokens
-        n = len(seq) - 1 if indexed else len(seq)
-        tokens, match = self.index.lookup(current, limit, n=n)
-        if self.model.recent.limit:  # off by default: no context copied each round
-            context = [*seq[max(n - MAX_MATCH, 0) : n], current]
-            tokens, match = self._longer(tokens, match, context, limit)
+        tokens, match = self._lookup(current, limit, indexed)
         if not tokens:
             return None, 1.0
         bucket = bucket_of(match)
@@ -497,6 +511,32 @@ class SuffixDrafter:
         if k == 0:
             return None, 1.0
         return SuffixDraft(tokens[:k], bucket), rate
+
+    def shared_draft(self, current: int, limit: int, row_cost: float) -> SuffixDraft | None:
+        """The draft after ``current`` (at most ``limit`` tokens) for a forward shared with
+        other requests, where each row costs ``row_cost`` tokens of theirs
+        (``SuffixModel.shared_length``); None when none pays."""
+        tokens, match = self._lookup(current, limit, False)
+        if not tokens:
+            return None
+        bucket = bucket_of(match)
+        if self.fixed is not None:
+            k = min(self.fixed, len(tokens))
+        else:
+            k = self.model.shared_length(bucket, len(tokens), row_cost)
+        return SuffixDraft(tokens[:k], bucket) if k else None
+
+    def _lookup(self, current: int, limit: int, indexed: bool) -> tuple[list[int], int]:
+        """The continuation after ``current`` and its match length (``draft`` says what
+        ``indexed`` means)."""
+        self.sync()
+        seq = self.index.tokens
+        n = len(seq) - 1 if indexed else len(seq)
+        tokens, match = self.index.lookup(current, limit, n=n)
+        if self.model.recent.limit:  # off by default: no context copied each round
+            context = [*seq[max(n - MAX_MATCH, 0) : n], current]
+            tokens, match = self._longer(tokens, match, context, limit)
+        return tokens, match
 
     def _longer(
         self, tokens: list[int], match: int, context: list[int], limit: int

@@ -27,6 +27,7 @@ forward ends the streams in it (their slots start over), never the runner.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -94,6 +95,55 @@ class ServedEngine(Protocol):
     ) -> ScheduledStream: ...
 
 
+# The tokens of the other streams one verify row is taken to cost before any is timed (a row
+# of the quantized product costs a few tenths of a one-row step's time, and a step of four
+# rows yields four tokens in under two), and how many rows' worth of evidence that prior is.
+ROW_COST_PRIOR = 0.5
+PRIOR_ROWS = 8
+COST_ALPHA = 0.1  # weight of a new plain step's time in its running estimate
+COST_CLAMP = 0.5  # one step moves that estimate by at most this share of itself
+ROW_DECAY = 0.98  # per timed step with extra rows: the rows' evidence fades over ~50 of them
+
+
+class SharedCost:
+    """What a verify row costs a shared forward, learned from the steps' times: the step of
+    one row per stream (per stream count), and the seconds extra rows add over it, summed
+    over the steps that had them (a ratio of sums: single steps are too noisy to difference).
+    A draft that adds k rows to a step of N streams taking T seconds costs every stream in
+    it, so it pays when its expected extra tokens beat ``k * row_seconds * N / T``
+    (``row_cost``)."""
+
+    def __init__(self) -> None:
+        self.step: dict[int, float] = {}  # streams -> seconds of a step of one row each
+        self._extra_rows = 0.0
+        self._extra_seconds = 0.0
+
+    def observe(self, streams: int, rows: int, seconds: float) -> None:
+        """A shared step of ``streams`` streams feeding ``rows`` rows took ``seconds``."""
+        if streams < 1 or rows < streams or seconds <= 0:
+            return
+        step = self.step.get(streams)
+        if rows == streams:
+            if step is None:
+                self.step[streams] = seconds
+            else:  # one stall moves the estimate by at most COST_CLAMP of itself
+                change = min(max(seconds / step - 1.0, -COST_CLAMP), COST_CLAMP)
+                self.step[streams] = step * (1.0 + COST_ALPHA * change)
+        elif step is not None:
+            self._extra_rows = ROW_DECAY * self._extra_rows + rows - streams
+            self._extra_seconds = ROW_DECAY * self._extra_seconds + max(seconds - step, 0.0)
+
+    def row_cost(self, streams: int) -> float:
+        """Tokens of the step's own rate one more row costs: the prior, moved by the timed
+        extra rows once the plain step of this many streams is known."""
+        step = self.step.get(streams)
+        if step is None:
+            return ROW_COST_PRIOR
+        prior_seconds = PRIOR_ROWS * ROW_COST_PRIOR * step / streams
+        row_seconds = (self._extra_seconds + prior_seconds) / (self._extra_rows + PRIOR_ROWS)
+        return row_seconds * streams / step
+
+
 class Scheduler:
     """The active streams of one engine and the step that advances them."""
 
@@ -104,6 +154,13 @@ class Scheduler:
         self.shared_s = 0.0  # how long the last shared forward took, the prefill's budget
         self._was_shared = False
         self.shared_steps = 0
+        self.shared_rounds = 0  # speculative rounds verified inside shared forwards
+        # Rounds inside shared forwards: the most rows the model takes with several per
+        # sequence (0: one each, no rounds there).
+        self._ragged: int = getattr(engine.model, "ragged_rows", 0)
+        self.cost = SharedCost()
+        self._rows = (0, 0)  # (streams, rows) the last shared forward fed
+        self._timing: tuple[float, int, int] | None = None  # (start, streams, rows) of it
 
     @property
     def room(self) -> int:
@@ -142,9 +199,11 @@ class Scheduler:
         decoding = [s for s in self.streams if not s.prefilling and not s.finished]
         waiting = [s for s in self.streams if s.prefilling]
         if not decoding:
+            self._timing = None
             if waiting:  # a chunk a step, so the others' cancels and admissions come between
                 self._guard(waiting[0], lambda: waiting[0].prefill(budget_s=float("inf")))
         elif len(decoding) == 1 and not waiting:
+            self._timing = None
             stream = decoding[0]
             if self._was_shared:
                 stream.alone_again()
@@ -192,7 +251,12 @@ class Scheduler:
         """One shared forward, then the oldest waiting prompt prefills a few layers of its
         chunk for about as long as that forward took."""
         start = time.perf_counter()
+        if self._timing is not None:  # the step before, to this one's start
+            before, streams, rows = self._timing
+            self.cost.observe(streams, rows, start - before)
         self._shared_forward(decoding)
+        # A step that also prefills is not a decode step's time.
+        self._timing = None if waiting else (start, *self._rows)
         if waiting:
             # Wait for the forward here, so that its time is the prefill's budget and the
             # prefill's own clock starts on an idle stream.
@@ -211,52 +275,73 @@ class Scheduler:
     def _shared_forward(self, streams: list) -> None:
         """Each stream's current token is emitted (it was computed by the previous forward),
         then one forward feeds every stream that goes on its token (its last prompt token,
-        for a stream whose prompt just went in). Emitting before the feed, not while the
-        forward runs as a lone stream's pipelined step does, sends each token a step earlier
-        and leaves nothing to unfeed when a token ends its stream; the host work it puts
-        ahead of the forward is small next to a forward over several rows."""
+        for a stream whose prompt just went in), with the suffix drafter's draft after it
+        where that pays (``SharedCost``). Emitting before the feed, not while the forward
+        runs as a lone stream's pipelined step does, sends each token a step earlier and
+        leaves nothing to unfeed when a token ends its stream; the host work it puts ahead
+        of the forward is small next to a forward over several rows."""
+        row_cost = self.cost.row_cost(len(streams)) if self._ragged else None
+        # The drafts share the rows the forward may take beyond one a stream, asked in an
+        # order that turns every step so that no stream takes them first for good.
+        spare = max(self._ragged - len(streams), 0)
+        turn = self.shared_steps % len(streams)
         rows: list[tuple[Any, Row]] = []
-        for s in streams:
+        for s in streams[turn:] + streams[:turn]:
             try:
-                row = s.row()
+                row = s.row(row_cost, spare)
                 if row is not None:
                     rows.append((s, row))
+                    spare -= row.tokens.shape[0] - 1
             except Exception as exc:
                 s.fail(exc)
-        samples = self._forward(rows)
-        for (s, row), sampled in zip(rows, samples, strict=True):
-            if sampled is not None:
-                self._guard(s, lambda s=s, row=row, sampled=sampled: s.take(row, sampled))
+        self._rows = (len(rows), sum(row.tokens.shape[0] for _, row in rows))
+        self.shared_rounds += sum(row.round is not None for _, row in rows)
+        results = self._forward(rows)
+        # Plain rows first: their samples are dispatched; a round's settling syncs.
+        for (s, row), result in zip(rows, results, strict=True):
+            if result is not None and row.round is None:
+                self._guard(s, lambda s=s, row=row, sampled=result: s.take(row, sampled))
+        for (s, row), result in zip(rows, results, strict=True):
+            if result is not None and row.round is not None:
+                self._guard(s, lambda s=s, row=row, rows=result: s.settle(row, *rows))
 
     def _forward(self, rows: list[tuple[Any, Row]]) -> list:
-        """The shared forward and each row's sample (lazy, dispatched); None for a row whose
-        sample failed. A failure of the forward itself fails every row in it."""
+        """The shared forward and each plain row's sample (lazy, dispatched), each round's
+        hidden rows and logits; None for a row whose sample failed. A failure of the
+        forward itself fails every row in it."""
         if not rows:
             return []
         model = self.engine.model
+        counts = [row.tokens.shape[0] for _, row in rows]
         try:
             tokens = mx.concatenate([row.tokens for _, row in rows])
-            hidden = model.hidden_rows(tokens, [s.slot.caches for s, _ in rows])
+            caches = [s.slot.caches for s, _ in rows]
+            hidden = model.hidden_rows(tokens, caches, counts if max(counts) > 1 else None)
             logits = model.unembed(hidden)
             mx.async_eval(hidden, logits, [s.cache_state() for s, _ in rows])
         except Exception as exc:
             for s, _ in rows:
                 s.fail(exc)
             return [None] * len(rows)
-        samples, pending = [], []
-        for i, (s, row) in enumerate(rows):
+        results, pending = [], []
+        starts = [0, *itertools.accumulate(counts)][:-1]
+        for (s, row), start, n in zip(rows, starts, counts, strict=True):
+            if row.round is not None:
+                results.append((hidden[start : start + n], logits[start : start + n]))
+                continue
             try:
-                sampled = s.sample(row, hidden[i : i + 1], logits[i])
+                sampled = s.sample(row, hidden[start : start + 1], logits[start])
                 pending += [sampled.token, *(sampled.logprobs or ())]
-                samples.append(sampled)
+                results.append(sampled)
             except Exception as exc:
                 s.fail(exc)
-                samples.append(None)
+                results.append(None)
         try:
             mx.async_eval(pending)
         except Exception as exc:
-            for (s, _), sampled in zip(rows, samples, strict=True):
-                if sampled is not None:
+            for (s, row), result in zip(rows, results, strict=True):
+                if result is not None and row.round is None:
                     s.fail(exc)
-            return [None] * len(rows)
-        return samples
+            kept = zip(rows, results, strict=True)
+            return [r if row.round is not None else None for (_, row), r in kept]
+        return results

@@ -359,6 +359,18 @@ class DecodeLoop:
             return self._failed(error)
         return self._ended(end)
 
+    def settled(self, settle: Callable[[], RoundOutcome | None]) -> Outcome | None:
+        """Take a round a scheduler ran inside a shared forward (``settle``, the drafter's
+        rest of it): None while generation goes on (``cur`` its successor), else the
+        outcome."""
+        try:
+            end = settle()
+        except RoundError as error:
+            return self._failed(error)
+        if end is None:  # only a warm round gives none: a scheduler never shares one
+            raise RuntimeError("a shared round ended without a successor")
+        return self._ended(end)
+
     def warm(self, last_prompt: int) -> tuple[bool, Outcome | None]:
         """Start with a warm round (``Drafter.warm_round``): ``(False, None)`` when it did not
         run (feed the last prompt token plainly, then set ``cur``); else ``(True, outcome)``,

@@ -26,6 +26,7 @@ import mlx.core as mx
 from cache.ledger import Ledger, Outcome
 from cache.session import CacheSession
 from drafting.logprobs import LogprobEntry, LogprobRows
+from drafting.rounds import OpenRound
 from drafting.speculation import RequestSpeculation
 from drafting.stats import SpecStats
 from protocol import frames as pf
@@ -45,12 +46,15 @@ Emit = Callable[[object], None]
 
 @dataclass
 class Row:
-    """A stream's row of a shared forward: ``tokens`` fed at ``position``; ``token`` the
-    emitted token it feeds, None when it feeds the last prompt token."""
+    """A stream's rows of a shared forward: ``tokens`` fed at ``position``; ``token`` the
+    emitted token they start with, None when they feed the last prompt token; ``round``
+    the speculative round whose verify feed they are (``tokens`` the token and its drafts),
+    None for a plain row."""
 
     tokens: mx.array
     position: int
     token: int | None
+    round: OpenRound | None = None
 
 
 class Stream:
@@ -257,10 +261,13 @@ class Stream:
             self.decode.drafter.pause()
 
     # ------------------------------------------------------------------ rows of a shared forward
-    def row(self) -> Row | None:
+    def row(self, row_cost: float | None = None, spare: int = 0) -> Row | None:
         """Before a shared forward: the current token is emitted (the previous forward
         computed it) and the row that feeds it, or the last prompt token, is recorded as fed.
-        None when the stream ended, or fed forced close markers in forwards of its own."""
+        With ``row_cost`` (tokens of the other streams a row costs) the token's row carries
+        the suffix drafter's draft after it, at most ``spare`` tokens, when that pays
+        (``RoundDriver.shared_round``). None when the stream ended, or fed forced close
+        markers in forwards of its own."""
         if self.unfed_prompt is not None:
             last = mx.array([self.unfed_prompt], dtype=mx.int32)
             return Row(*self.decoder.row_feed(last, append=False), token=None)
@@ -269,12 +276,31 @@ class Stream:
         token = self._emit_current()
         if token is None:
             return None
+        if self.speculates and row_cost is not None:
+            driver = self.decode.drafter
+            # Room for the drafts and their successor before the context's end.
+            room = self.engine.info.context_length - self.decoder.position - 2
+            opened = driver.shared_round(token, row_cost, min(room, spare))
+            if opened is not None:
+                return Row(*driver.ops.verify_ids(token, opened.proposal), token, opened)
         fed = mx.array([token], dtype=mx.int32)
         return Row(*self.decoder.row_feed(fed, append=True), token=token)
 
     def sample(self, row: Row, hidden: mx.array, logits: mx.array) -> Sampled:
-        """The sample after ``row`` from its rows of the shared forward (lazy)."""
+        """The sample after a plain ``row`` from its row of the shared forward (lazy)."""
         return self.decoder.row_sample(row.tokens, hidden, logits, row.position)
+
+    def settle(self, row: Row, hidden: mx.array, logits: mx.array) -> None:
+        """After the shared forward: the round of a speculative ``row`` verified from its
+        rows (one sync), its accepted drafts emitted, the caches rewound to what it keeps."""
+        driver, opened = self.decode.drafter, row.round
+
+        def verify():
+            return driver.ops.verify_rows(row.token, opened.proposal, row.position, hidden, logits)
+
+        outcome = self.decode.settled(lambda: driver.settle(opened, verify))
+        if outcome is not None:
+            self.end(outcome)
 
     def take(self, row: Row, sampled: Sampled) -> None:
         """After the shared forward: ``row`` stays in the caches, ``sampled`` is current."""

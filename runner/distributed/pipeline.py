@@ -35,6 +35,7 @@ class PipelineModel(Model):
     once the ranks are connected."""
 
     takes_layer_hook = False  # a chunk runs whole: the other ranks' layers are one exchange
+    ragged_rows = 0  # the other ranks take one row per sequence
     link: Link | None = None
     later_refusal: str | None = None  # why the other ranks' layers cannot share forwards
 

@@ -5,6 +5,7 @@ Parameter names follow Hugging Face checkpoints so safetensors load without rena
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -392,6 +393,10 @@ class Model(nn.Module):
     # A multimodal checkpoint's vision-tower tensors, set aside by the family's loader hook
     # for ``runner.vision_load`` (None: the family keeps none).
     vision_tensors: dict | None = None
+    # The most rows ``hidden_rows`` takes with several per sequence (verify feeds in a shared
+    # forward; 0: one each): the compiled blocks' row counts, past which a forward runs eager
+    # and costs about twice as much.
+    ragged_rows: int = COMPILED_MAX_ROWS
 
     def use_draft_features(self, layers: tuple[int, ...]) -> None:
         """Set ``draft_features`` (a plain attribute: an ``nn.Module`` would keep a tuple
@@ -513,31 +518,41 @@ class Model(nn.Module):
                 return "the RoPE depends on how tokens are fed"
         return None
 
-    def hidden_rows(self, tokens: mx.array, caches: list[list[KVCache]]) -> mx.array:
-        """One decode row for each of several sequences: ``tokens`` ``[R]``, row i fed after
-        ``caches[i]`` (a per-layer cache list, each at its own offset); returns the post-norm
-        hiddens ``[R, D]``.
+    def hidden_rows(
+        self, tokens: mx.array, caches: list[list[KVCache]], counts: list[int] | None = None
+    ) -> mx.array:
+        """Rows of several sequences in one forward: ``tokens`` ``[R]``, ``counts[i]`` of them
+        (one each when None) fed after ``caches[i]`` (a per-layer cache list, each at its own
+        offset), in order; returns the post-norm hiddens ``[R, D]``.
 
         The rows share every product (one pass over the weights, the point of batching);
-        each attends over its own cache. Row i computes exactly what :meth:`hidden` computes
-        for one row after ``caches[i]`` wherever the products' arithmetic does not depend on
-        the row count (``runner.native``'s panel product, which the CPU layout uses): the
-        RoPE tables, norms and attention are per row."""
-        if tokens.shape[0] != len(caches):
-            raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists")
-        x, streams = self.layer_rows(self.embed(tokens.reshape(1, -1)), caches)
+        each sequence's rows attend over its own cache and causally over each other, as a
+        forward of their own does. A sequence's rows compute exactly what :meth:`hidden`
+        computes for them after ``caches[i]`` wherever the products' arithmetic does not
+        depend on the row count (``runner.native``'s panel product, which the CPU layout
+        uses): the RoPE tables, norms and attention are per row."""
+        counts = [1] * len(caches) if counts is None else counts
+        if tokens.shape[0] != sum(counts) or len(counts) != len(caches):
+            raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists ({counts})")
+        x, streams = self.layer_rows(self.embed(tokens.reshape(1, -1)), caches, counts)
         return self.draft_rows(x, streams)[0]
 
     def layer_rows(
-        self, x: mx.array, caches: list[list[KVCache]]
+        self, x: mx.array, caches: list[list[KVCache]], counts: list[int] | None = None
     ) -> tuple[mx.array, list[mx.array]]:
-        """:meth:`hidden_rows`' layers: rows ``x`` ``[1, R, D]``, row i after ``caches[i]``;
-        the last layer's output rows (before the final norm) and the draft streams. A split
-        model's later ranks run their own layers on the rows they are handed."""
-        rows = x.shape[1]
-        if rows != len(caches):
-            raise ValueError(f"{rows} rows for {len(caches)} cache lists")
-        positions = [c[0].offset for c in caches]
+        """:meth:`hidden_rows`' layers: rows ``x`` ``[1, R, D]``, ``counts[i]`` of them after
+        ``caches[i]``; the last layer's output rows (before the final norm) and the draft
+        streams. A split model's later ranks run their own layers on the rows they are
+        handed."""
+        counts = [1] * len(caches) if counts is None else counts
+        if x.shape[1] != sum(counts) or len(counts) != len(caches) or min(counts) < 1:
+            raise ValueError(f"{x.shape[1]} rows for {len(caches)} cache lists ({counts})")
+        positions = [c[0].offset + j for c, n in zip(caches, counts, strict=True) for j in range(n)]
+        # Where each sequence's rows end: one split a tensor gives every sequence's rows as
+        # views (one node where a slice per sequence was one each, and each node is a task of
+        # its own on the CPU stream).
+        ends = list(itertools.accumulate(counts))[:-1]
+        masks = [None if n == 1 else "causal" for n in counts]
         tables: dict[str, RopeTables] = {}
         wanted = self.draft_stream_layers
         streams = []
@@ -550,14 +565,12 @@ class Model(nn.Module):
             if layer.compiled is not None and layer.compiled.serves(x):
                 before, after = layer.compiled.before_cache, layer.compiled.after_attention
             q, k, v = before(x, *rope)
-            # Each row's query, key and value as views from one split a tensor: one node where
-            # a slice per row was R (each node is a task of its own on the CPU stream).
-            split = [mx.split(t, rows, axis=2) if rows > 1 else [t] for t in (q, k, v)]
+            split = [mx.split(t, ends, axis=2) if ends else [t] for t in (q, k, v)]
             parts = [
-                attn.attend_cached(qi, ki, vi, None, row[index])
-                for qi, ki, vi, row in zip(*split, caches, strict=True)
+                attn.attend_cached(qi, ki, vi, mask, own[index])
+                for qi, ki, vi, mask, own in zip(*split, masks, caches, strict=True)
             ]
-            x = after(x, parts[0] if rows == 1 else mx.concatenate(parts, axis=2))
+            x = after(x, parts[0] if not ends else mx.concatenate(parts, axis=2))
             # Start each layer as soon as it is built (drafting.mlx_ops.dispatch_layer says why).
             mx.async_eval(x)
             if index in wanted:

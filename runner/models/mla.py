@@ -281,6 +281,7 @@ class Model(MoEModel):
 
     inner = MLAStack
     takes_layer_hook: bool = True  # llama's ``hidden``, ``on_layer`` included
+    ragged_rows: int = 0  # shared forwards take one row per sequence (no verify rows)
 
     def prepare_weights(
         self, weights: dict[str, mx.array], sources: dict[str, str]
