@@ -70,6 +70,9 @@ DEFAULT_MAX_DEPTH = 8
 # a rotating cache's default slack (``cache.window.RotatingKVCache``). tests/test_depth.py
 # checks those stay at least MAX_DRAFT_DEPTH + 1.
 MAX_DRAFT_DEPTH = 15
+# Rows a forward shared by several requests may feed in all, drafts included, by default
+# (``runner.batch``; a model caps it at the row counts its compiled blocks serve).
+SHARED_DRAFT_ROWS = MAX_DRAFT_DEPTH + 1
 SWITCH_MARGIN = 0.03  # leave the selected depth only for a rate this much better
 
 

@@ -155,9 +155,8 @@ class Scheduler:
         self._was_shared = False
         self.shared_steps = 0
         self.shared_rounds = 0  # speculative rounds verified inside shared forwards
-        # Rounds inside shared forwards: the most rows the model takes with several per
-        # sequence (0: one each, no rounds there).
-        self._ragged: int = getattr(engine.model, "ragged_rows", 0)
+        # Rounds inside shared forwards: the most rows they feed with drafts (0: one a stream).
+        self.draft_rows: int = getattr(engine, "shared_draft_rows", 0)
         self.cost = SharedCost()
         self._rows = (0, 0)  # (streams, rows) the last shared forward fed
         self._timing: tuple[float, int, int] | None = None  # (start, streams, rows) of it
@@ -280,10 +279,10 @@ class Scheduler:
         runs as a lone stream's pipelined step does, sends each token a step earlier and
         leaves nothing to unfeed when a token ends its stream; the host work it puts ahead
         of the forward is small next to a forward over several rows."""
-        row_cost = self.cost.row_cost(len(streams)) if self._ragged else None
+        row_cost = self.cost.row_cost(len(streams)) if self.draft_rows else None
         # The drafts share the rows the forward may take beyond one a stream, asked in an
         # order that turns every step so that no stream takes them first for good.
-        spare = max(self._ragged - len(streams), 0)
+        spare = max(self.draft_rows - len(streams), 0)
         turn = self.shared_steps % len(streams)
         rows: list[tuple[Any, Row]] = []
         for s in streams[turn:] + streams[:turn]:

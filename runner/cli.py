@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING, BinaryIO
 
 import protocol
-from drafting.depth import MAX_DRAFT_DEPTH
+from drafting.depth import MAX_DRAFT_DEPTH, SHARED_DRAFT_ROWS
 from drafting.suffix import RECENT_TOKENS
 from runner import __version__
 from runner.faults import Faults
@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="completions decoded at once, one row each in a shared forward; the rest queue "
         "(4; 1 = one at a time)",
+    )
+    count(
+        "--shared-draft-rows",
+        type=non_negative_int,
+        default=SHARED_DRAFT_ROWS,
+        help="rows a forward shared by several completions may feed in all with the drafts "
+        f"of those whose text was seen before ({SHARED_DRAFT_ROWS}, the most; 0: they draft "
+        "only while decoding alone)",
     )
     count(
         "--draft-depth",
@@ -346,6 +354,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         native_blocks=not args.no_native_blocks,
         faults=Faults.parse(args.inject_fault),
         parallel=args.parallel,
+        shared_draft_rows=args.shared_draft_rows,
         kv_bits=args.kv_bits,
         kv_group=args.kv_group,
     )

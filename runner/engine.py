@@ -26,6 +26,7 @@ from cache.disk import DiskCache, cache_kind
 from cache.kv import KVCache
 from cache.kv_quantized import quantize_caches
 from cache.session import PrefixCache
+from drafting.depth import SHARED_DRAFT_ROWS
 from drafting.speculation import Speculation
 from runner import blas, device
 from runner.batch import Scheduler
@@ -101,6 +102,8 @@ class EngineOptions:
     faults: Faults = field(default_factory=Faults)  # the test seam (runner.faults)
     # Completions decoded at once, rows of one forward (runner.batch); 1: one at a time.
     parallel: int = 1
+    # Rows such a forward may feed in all with drafts (runner.batch); 0: none there.
+    shared_draft_rows: int = SHARED_DRAFT_ROWS
     # Full-attention layers' keys and values stored quantized (cache.kv_quantized): 4 or 8
     # bits, affine per group of kv_group values; None: float.
     kv_bits: int | None = None
@@ -181,6 +184,10 @@ class Engine:
             )
         log.info("device tuning: %s", self.tuning.describe())
         self.parallel, self.parallel_detail = self._parallel(options.parallel)
+        # Shared forwards carry drafts from text already seen (no head step there) where the
+        # model takes several rows per sequence in them.
+        shared = options.shared_draft_rows if suffix else 0
+        self.shared_draft_rows = min(shared, getattr(self.model, "ragged_rows", 0))
         if self.tuning.compiled:
             self._warm_up(report)
         self.slots = self._make_slots()

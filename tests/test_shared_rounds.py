@@ -113,6 +113,18 @@ def test_without_speculation_shared_forwards_feed_one_row_a_stream(engine):
     assert all(outs[r.id].ids == solo[r.id] for r in reqs)
 
 
+def test_shared_draft_rows_zero_keeps_drafts_to_streams_alone(engine, monkeypatch):
+    """``--shared-draft-rows 0``: shared forwards feed one row a stream; the streams still
+    speculate while alone, and give what they give alone."""
+    monkeypatch.setattr(engine, "shared_draft_rows", 0)
+    reqs = [copying(f"o{i}", i, num_predict=30 + 10 * i) for i in range(3)]
+    solo = {r.id: alone(engine, r).ids for r in reqs}
+    outs, scheduler = together(engine, reqs)
+    assert scheduler.shared_steps > 0 and scheduler.shared_rounds == 0
+    assert all(outs[r.id].ids == solo[r.id] for r in reqs)
+    assert suffix_drafted(outs["o2"]) > 0  # alone at the end, it drafted
+
+
 def run_with_failing_round(engine, reqs, victim: str, error: Exception):
     """The scheduler over ``reqs``; the victim's first verification inside a shared forward
     raises ``error`` (once its stream has decoded a few steps)."""

@@ -11,17 +11,22 @@ prompt of its own (a unique first line: no prefix-cache hits between them). Repo
 - newcomer TTFT: with N - 1 streams decoding, one more request is sent; its time to first
   token over the same request's time to first token on an idle runner (median of the runs).
 
-Two runner sides take turns: with the shipped head (a lone stream speculates; shared
-forwards park speculation) and ``--no-draft`` (plain decoding throughout). mlx-lm's
-``batch_generate`` runs the same prompts on the same float32 weights from its own venv
-(.venv-bench, as scripts/bench/decode.py makes it). Usage:
+Three runner sides take turns: the default (a lone stream speculates with the shipped head
+and the suffix drafter; shared forwards carry suffix drafts where they pay), parked
+(``--shared-draft-rows 0``: shared forwards feed one row a stream) and ``--no-draft`` (plain
+decoding throughout). mlx-lm's ``batch_generate`` runs the same prompts on the same float32
+weights from its own venv (.venv-bench, as scripts/bench/decode.py makes it).
 
-    python scripts/bench/parallel.py [--reps 3] [--decode 128] [--streams 1,2,4,8]
+``--mix prose`` gives every stream a story to continue; ``--mix quoting`` gives every other
+stream a listing to copy (its answer quotes its prompt), the rest stories. Usage:
+
+    python scripts/bench/parallel.py [--reps 3] [--decode 128] [--streams 1,2,4,8] [--mix M]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -51,11 +56,24 @@ TOPICS = [
     "valley",
     "island",
 ]
-RUNNER_SIDES = {"runner (head)": [], "runner (no head)": ["--no-draft"]}
+RUNNER_SIDES = {
+    "runner (default)": [],
+    "runner (parked)": ["--shared-draft-rows", "0"],
+    "runner (no head)": ["--no-draft"],
+}
+PLAIN = "runner (no head)"
 MLX_LM = "mlx-lm batch_generate"
+MIX = {"quoting": False}  # set by --mix
+# Functions whose source a quoting stream copies (the standard library's, so every machine
+# has the same text).
+LISTINGS = ("textwrap.indent", "shlex.quote", "posixpath.splitext", "string.capwords")
 
 
 def prompt_text(tag: str, i: int) -> str:
+    if MIX["quoting"] and i % 2 == 0:
+        module, _, name = LISTINGS[i // 2 % len(LISTINGS)].rpartition(".")
+        source = inspect.getsource(getattr(__import__(module), name))
+        return f"Listing {tag}-{i}.\n```python\n{source}```\nThe listing again, unchanged:\n"
     return f"Story {tag}-{i} about the {TOPICS[i % len(TOPICS)]}.\n{TEXT}"
 
 
@@ -207,6 +225,9 @@ def main() -> int:
     parser.add_argument("--streams", default="1,2,4,8", help="stream counts")
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm side")
     parser.add_argument(
+        "--mix", choices=("prose", "quoting"), default="prose", help="the streams' prompts"
+    )
+    parser.add_argument(
         "--long-prompt",
         type=int,
         default=1500,
@@ -219,6 +240,7 @@ def main() -> int:
         mlx_lm_worker(args.mlx_lm_worker)
         return 0
     counts = [int(c) for c in args.streams.split(",")]
+    MIX["quoting"] = args.mix == "quoting"
     model = bc.default_model_path()
     most = max(counts)
     sides: dict = {}
@@ -227,7 +249,7 @@ def main() -> int:
             ["--model", model, "--parallel", str(most), *flags], f"parallel-{len(sides)}.log"
         )
         sides[name].wait_ready()
-    tokenize = sides["runner (head)"].tokenize
+    tokenize = sides[PLAIN].tokenize
     if not args.no_mlx_lm:
         import decode
         import export_hf
@@ -274,6 +296,7 @@ def main() -> int:
 
 def report(args, counts, runs, ttft, shares, elapsed) -> None:
     rows, summary = [], {}
+    plain = bc.median([r["aggregate"] for r in runs[PLAIN][counts[0]]])
     for name, by_n in runs.items():
         one = bc.median([r["aggregate"] for r in by_n[counts[0]]])
         for n in counts:
@@ -288,6 +311,7 @@ def report(args, counts, runs, ttft, shares, elapsed) -> None:
                     f"{agg:.1f}",
                     f"{per:.1f}",
                     f"{agg / one:.2f}x",
+                    "-" if name == MLX_LM else f"{agg / plain:.2f}x",
                     "-" if not t else f"{ratio:.2f}x",
                 ]
             )
@@ -295,6 +319,7 @@ def report(args, counts, runs, ttft, shares, elapsed) -> None:
                 "aggregate": agg,
                 "per_stream": per,
                 "vs_one": agg / one,
+                "vs_plain_one": agg / plain,
                 "ttft_ratio": ratio,
             }
     print(
@@ -305,6 +330,7 @@ def report(args, counts, runs, ttft, shares, elapsed) -> None:
                 "aggregate tok/s",
                 "per-stream tok/s",
                 "aggregate / 1 stream",
+                f"aggregate / 1 stream of {PLAIN}",
                 "newcomer TTFT / solo",
             ],
             rows,
@@ -324,6 +350,7 @@ def report(args, counts, runs, ttft, shares, elapsed) -> None:
         {
             "streams": counts,
             "decode": args.decode,
+            "mix": args.mix,
             "reps": args.reps,
             "summary": summary,
             "runs": {k: {str(n): v for n, v in by.items()} for k, by in runs.items()},
