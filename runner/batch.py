@@ -11,18 +11,31 @@ restores into it and indexes it as for a single request) and each ``step`` does 
   round when its head drafts (a round verifies several rows of one sequence, which pays only
   while the forward is not shared);
 - otherwise one shared forward feeds every decoding stream its current token
-  (``Model.hidden_rows``), and then the oldest waiting prompt prefills a few layers of its
-  current chunk, for about as long as that forward took, so the streams keep about half
-  their rate while it is admitted and the newcomer's first token is not held back behind
-  whole chunks (a model split across ranks takes whole chunks, one after enough shared
-  forwards to keep the same shares on average: ``runner.prefill``).
+  (``Model.hidden_rows``), with the suffix drafter's draft after it for a stream whose text
+  was seen before, and then the oldest waiting prompt prefills a few layers of its current
+  chunk, for about as long as that forward took, so the streams keep about half their rate
+  while it is admitted and the newcomer's first token is not held back behind whole chunks
+  (a model split across ranks takes whole chunks, one after enough shared forwards to keep
+  the same shares on average: ``runner.prefill``).
+
+**Drafts in a shared forward.** A stream's draft adds its rows to a forward every stream
+waits for, so it pays when its expected extra tokens beat what those rows cost the others:
+``SharedCost`` learns a row's seconds against the plain shared step's from the steps' own
+times, and the suffix model's acceptance gives each draft length's expected tokens
+(``SuffixModel.shared_length``). The forward takes at most ``--shared-draft-rows`` rows in
+all (the model's compiled row counts at most: past them a forward costs about twice as
+much), shared out in an order that turns every step. The head does not draft there: a head
+step per stream would run one after another, and its drafts' acceptance does not pay for
+their rows at these costs. Each speculating stream verifies its own rows after the forward
+(``Stream.settle``: one sync, its acceptance, emission and rollback its own); the plain
+rows' samples are dispatched first.
 
 Fairness: admission is first come, first served (the server hands streams over in arrival
 order while a slot is free) and every decoding stream gets a row in every shared forward, so
-no stream starves. Speculation parks while the forward is shared; the draft cache still
-follows every committed row, so a stream left alone resumes speculating with no extra
-forward. A failure in one stream's own work ends that stream only; a failure of the shared
-forward ends the streams in it (their slots start over), never the runner.
+no stream starves. The draft cache follows every committed row, so a stream left alone
+speculates with its head again with no extra forward. A failure in one stream's own work
+(its round included) ends that stream only; a failure of the shared forward ends the
+streams in it (their slots start over), never the runner.
 """
 
 from __future__ import annotations
@@ -95,9 +108,9 @@ class ServedEngine(Protocol):
     ) -> ScheduledStream: ...
 
 
-# The tokens of the other streams one verify row is taken to cost before any is timed (a row
-# of the quantized product costs a few tenths of a one-row step's time, and a step of four
-# rows yields four tokens in under two), and how many rows' worth of evidence that prior is.
+# The tokens of the other streams one verify row is taken to cost before any is timed (a
+# row reads no weight the others do not, but its arithmetic is its own, while the step yields
+# a token a stream), and how many rows' worth of evidence that prior is.
 ROW_COST_PRIOR = 0.5
 PRIOR_ROWS = 8
 COST_ALPHA = 0.1  # weight of a new plain step's time in its running estimate

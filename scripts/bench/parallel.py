@@ -66,7 +66,7 @@ MLX_LM = "mlx-lm batch_generate"
 MIX = {"quoting": False}  # set by --mix
 # Functions whose source a quoting stream copies (the standard library's, so every machine
 # has the same text).
-LISTINGS = ("textwrap.indent", "shlex.quote", "posixpath.splitext", "string.capwords")
+LISTINGS = ("textwrap.indent", "shlex.quote", "string.capwords", "textwrap.shorten")
 
 
 def prompt_text(tag: str, i: int) -> str:
