@@ -459,7 +459,7 @@ class RoundDriver:
             return None
         remaining = self.remaining()
         limit = min(limit, MAX_DRAFT_DEPTH if remaining is None else remaining)
-        if limit < 1 or not self.suffix.expects_copy():
+        if limit < 1:
             return None
         draft = self.suffix.shared_draft(x, limit, row_cost)
         if draft is None:

@@ -328,7 +328,10 @@ class Scheduler:
         try:
             tokens = mx.concatenate([row.tokens for _, row in rows])
             caches = [s.slot.caches for s, _ in rows]
-            hidden = model.hidden_rows(tokens, caches, counts if max(counts) > 1 else None)
+            if max(counts) > 1:
+                hidden = model.hidden_rows(tokens, caches, counts)
+            else:
+                hidden = model.hidden_rows(tokens, caches)
             logits = model.unembed(hidden)
             mx.async_eval(hidden, logits, [s.cache_state() for s, _ in rows])
         except Exception as exc:

@@ -122,7 +122,8 @@ def test_shared_draft_rows_zero_keeps_drafts_to_streams_alone(engine, monkeypatc
     outs, scheduler = together(engine, reqs)
     assert scheduler.shared_steps > 0 and scheduler.shared_rounds == 0
     assert all(outs[r.id].ids == solo[r.id] for r in reqs)
-    assert suffix_drafted(outs["o2"]) > 0  # alone at the end, it drafted
+    # The longest stream decodes its last tokens alone: it speculates there.
+    assert outs["o2"].done.speculation.rounds > 0
 
 
 def run_with_failing_round(engine, reqs, victim: str, error: Exception):

@@ -88,9 +88,12 @@ class PipelineModel(Model):
         batched too (``later_refusal``, set when the ranks are linked)."""
         return super().rows_refusal() or self.later_refusal
 
-    def hidden_rows(self, tokens: mx.array, caches: list) -> mx.array:
+    def hidden_rows(self, tokens: mx.array, caches: list, counts: list | None = None) -> mx.array:
         """A shared forward (``Model.hidden_rows``): rank 0's layers over one row per
-        sequence, then the other ranks' in one exchange, each row after its own set."""
+        sequence, then the other ranks' in one exchange, each row after its own set (one row
+        each: ``ragged_rows`` is 0)."""
+        if counts is not None and any(n != 1 for n in counts):
+            raise ValueError("a model split over ranks takes one row per sequence")
         if tokens.shape[0] != len(caches):
             raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists")
         parts = self.link.parts
