@@ -178,9 +178,15 @@ class KVCache(KVBuffers):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` (``[B, H, L, D]``) at ``offset``; return everything cached."""
-        end = self._write(self.offset, keys, values)
-        self.offset = end
+        end = self.append(keys, values)
         return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def append(self, keys: mx.array, values: mx.array) -> int:
+        """Append ``keys``/``values`` at ``offset``; the new offset. A reader that takes the
+        whole buffers and this length (``runner.native.rows_attention``) needs no fetched
+        views."""
+        self.offset = self._write(self.offset, keys, values)
+        return self.offset
 
     def rewind(self, to: int) -> None:
         """Forget every position at or after ``to`` (an offset move, no copy)."""

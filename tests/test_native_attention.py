@@ -209,3 +209,40 @@ def test_row_attention_threads_give_the_same_bits():
         one = native.row_attention_quantized(q, pk, pv, scale=0.125, bits=4, group=32)
         two = native.row_attention_quantized(q, pk, pv, scale=0.125, bits=4, group=32, threads=2)
         assert mx.array_equal(one, two)
+
+
+# --- runner.native.rows_attention: several sequences' rows in one node (shared forwards)
+
+
+@pytest.mark.skipif(not native.rows_attention_available(), reason="no multi-sequence attention")
+@pytest.mark.parametrize("dim", [64, 24])
+def test_rows_attention_gives_each_sequence_the_row_attention_over_its_own_buffer(dim):
+    """Three sequences (1, 4 and 2 rows over 30, 9 and 57 keys) in one node over whole
+    buffers of larger capacity (zeros past each length): each sequence's rows have the bits
+    of ``row_attention`` over its cache fetched up to its length, with any thread count."""
+    counts, lengths, capacity = [1, 4, 2], [30, 9, 57], 64
+    qs, ks, vs = [], [], []
+    for i, (n, length) in enumerate(zip(counts, lengths, strict=True)):
+        q, k, v = operands(1, 6, 2, n, length, dim, seed=10 + i)
+        pad = mx.zeros((1, 2, capacity - length, dim))
+        qs.append(q)
+        ks.append(mx.concatenate([k, pad], axis=2))
+        vs.append(mx.concatenate([v, pad], axis=2))
+    q = mx.concatenate(qs, axis=2)
+    for threads in (1, 2):
+        got = np.asarray(
+            native.rows_attention(q, ks, vs, lengths, counts, scale=0.2, threads=threads)
+        )
+        start = 0
+        for qi, ki, vi, n, length in zip(qs, ks, vs, counts, lengths, strict=True):
+            alone = native.row_attention(
+                qi, ki[:, :, :length], vi[:, :, :length], scale=0.2, threads=threads
+            )
+            assert np.array_equal(got[:, :, start : start + n], np.asarray(alone)), (n, threads)
+            start += n
+    with pytest.raises(ValueError, match="add up"):
+        native.rows_attention(q, ks, vs, lengths, [1, 4, 1], scale=0.2)
+    with pytest.raises(ValueError, match="length"):
+        native.rows_attention(q, ks, vs, [30, 9, 65], counts, scale=0.2)
+    with pytest.raises(ValueError, match="per sequence"):
+        native.rows_attention(q, ks, vs[:2], lengths, counts, scale=0.2)

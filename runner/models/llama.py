@@ -5,7 +5,6 @@ Parameter names follow Hugging Face checkpoints so safetensors load without rena
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ from runner.models.layers import (
     product,
 )
 from runner.models.rope import RoPE, RopeTables
+from runner.models.shared_rows import SharedRows
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Attention honours ModelArgs.sliding_window / layer_types (runner/models/config.py): sliding
@@ -372,7 +372,7 @@ def layer_windows(args: ModelArgs) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types]
 
 
-class Model(nn.Module):
+class Model(SharedRows, nn.Module):
     """A Llama-family causal LM. ``forward`` returns logits and post-final-norm hidden rows."""
 
     inner = LlamaModel  # the decoder stack (``embed_tokens``, ``layers``, ``norm``)
@@ -393,9 +393,8 @@ class Model(nn.Module):
     # A multimodal checkpoint's vision-tower tensors, set aside by the family's loader hook
     # for ``runner.vision_load`` (None: the family keeps none).
     vision_tensors: dict | None = None
-    # The most rows ``hidden_rows`` takes with several per sequence (verify feeds in a shared
-    # forward; 0: one each): the compiled blocks' row counts, past which a forward runs eager
-    # and costs about twice as much.
+    # ``hidden_rows`` with several rows per sequence (``runner.models.shared_rows``): up to the
+    # compiled blocks' row counts, past which a forward runs eager at about twice the cost.
     ragged_rows: int = COMPILED_MAX_ROWS
 
     def use_draft_features(self, layers: tuple[int, ...]) -> None:
@@ -517,65 +516,6 @@ class Model(nn.Module):
             if layer.self_attn.rope.depends_on_feed:
                 return "the RoPE depends on how tokens are fed"
         return None
-
-    def hidden_rows(
-        self, tokens: mx.array, caches: list[list[KVCache]], counts: list[int] | None = None
-    ) -> mx.array:
-        """Rows of several sequences in one forward: ``tokens`` ``[R]``, ``counts[i]`` of them
-        (one each when None) fed after ``caches[i]`` (a per-layer cache list, each at its own
-        offset), in order; returns the post-norm hiddens ``[R, D]``.
-
-        The rows share every product (one pass over the weights, the point of batching);
-        each sequence's rows attend over its own cache and causally over each other, as a
-        forward of their own does. A sequence's rows compute exactly what :meth:`hidden`
-        computes for them after ``caches[i]`` wherever the products' arithmetic does not
-        depend on the row count (``runner.native``'s panel product, which the CPU layout
-        uses): the RoPE tables, norms and attention are per row."""
-        counts = [1] * len(caches) if counts is None else counts
-        if tokens.shape[0] != sum(counts) or len(counts) != len(caches):
-            raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists ({counts})")
-        x, streams = self.layer_rows(self.embed(tokens.reshape(1, -1)), caches, counts)
-        return self.draft_rows(x, streams)[0]
-
-    def layer_rows(
-        self, x: mx.array, caches: list[list[KVCache]], counts: list[int] | None = None
-    ) -> tuple[mx.array, list[mx.array]]:
-        """:meth:`hidden_rows`' layers: rows ``x`` ``[1, R, D]``, ``counts[i]`` of them after
-        ``caches[i]``; the last layer's output rows (before the final norm) and the draft
-        streams. A split model's later ranks run their own layers on the rows they are
-        handed."""
-        counts = [1] * len(caches) if counts is None else counts
-        if x.shape[1] != sum(counts) or len(counts) != len(caches) or min(counts) < 1:
-            raise ValueError(f"{x.shape[1]} rows for {len(caches)} cache lists ({counts})")
-        positions = [c[0].offset + j for c, n in zip(caches, counts, strict=True) for j in range(n)]
-        # Where each sequence's rows end: one split a tensor gives every sequence's rows as
-        # views (one node where a slice per sequence was one each, and each node is a task of
-        # its own on the CPU stream).
-        ends = list(itertools.accumulate(counts))[:-1]
-        masks = [None if n == 1 else "causal" for n in counts]
-        tables: dict[str, RopeTables] = {}
-        wanted = self.draft_stream_layers
-        streams = []
-        for index, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            rope = tables.get(layer.rope_group)
-            if rope is None:
-                rope = tables[layer.rope_group] = attn.rope.row_tables(positions, x.dtype)
-            before, after = layer.before_cache, layer.after_attention
-            if layer.compiled is not None and layer.compiled.serves(x):
-                before, after = layer.compiled.before_cache, layer.compiled.after_attention
-            q, k, v = before(x, *rope)
-            split = [mx.split(t, ends, axis=2) if ends else [t] for t in (q, k, v)]
-            parts = [
-                attn.attend_cached(qi, ki, vi, mask, own[index])
-                for qi, ki, vi, mask, own in zip(*split, masks, caches, strict=True)
-            ]
-            x = after(x, parts[0] if not ends else mx.concatenate(parts, axis=2))
-            # Start each layer as soon as it is built (drafting.mlx_ops.dispatch_layer says why).
-            mx.async_eval(x)
-            if index in wanted:
-                streams.append(x)
-        return x, streams
 
     def unembed(self, hidden: mx.array) -> mx.array:
         """Project post-norm hidden rows to vocabulary logits (rows carrying a fused head's

@@ -479,6 +479,35 @@ def penalise_rows(
     return _ext.penalise_rows(logits, windows, repeat, presence, frequency)
 
 
+def rows_attention_available() -> bool:
+    """Whether the compiled module attends several sequences' rows in one node."""
+    return _ext is not None and hasattr(_ext, "rows_attention")
+
+
+def rows_attention(
+    q: mx.array,
+    keys: list[mx.array],
+    values: list[mx.array],
+    lengths: list[int],
+    counts: list[int],
+    *,
+    scale: float,
+    threads: int = 1,
+) -> mx.array:
+    """:func:`row_attention` for several sequences in one node (a shared forward): ``q``
+    ``[1, H, R, D]`` holds ``counts[i]`` rows of sequence ``i`` in turn, each over the first
+    ``lengths[i]`` positions of its whole cache buffers ``keys[i]``, ``values[i]``
+    ``[1, G, capacity, D]`` (no fetched views: two nodes fewer a sequence), row ``j`` at
+    position ``lengths[i] - counts[i] + j``. Every row has the bits :func:`row_attention`
+    gives it over its own cache. Raises RuntimeError without the build."""
+    if not rows_attention_available():
+        raise RuntimeError(
+            "runner.native has no multi-sequence row attention: "
+            + (_reason or "rebuild it with `python -m runner.native.build`")
+        )
+    return _ext.rows_attention(q, keys, values, lengths, counts, scale, threads)
+
+
 def row_attention_quantized_available(dim: int) -> bool:
     """Whether the compiled module attends over packed quantized rows of head dim ``dim``."""
     return (

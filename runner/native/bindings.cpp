@@ -117,6 +117,21 @@ NB_MODULE(_smallrow, m) {
       "softmax(scale q k^T) v for a few query rows q [B, H, L, D] over k, v [B, G, T, D], row i "
       "over keys 0 .. T - L + i, each row computed alone (the same bits whatever L or threads).");
   m.def(
+      "rows_attention",
+      &mtp_native::rows_attention,
+      "q"_a,
+      "keys"_a,
+      "values"_a,
+      "lengths"_a,
+      "counts"_a,
+      "scale"_a,
+      "threads"_a = 1,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "row_attention for several sequences in one node: q [1, H, R, D] holds counts[i] rows of "
+      "sequence i in turn, each over the first lengths[i] positions of its buffers "
+      "keys[i], values[i] [1, G, capacity, D].");
+  m.def(
       "row_attention_quantized",
       &mtp_native::row_attention_quantized,
       "q"_a,

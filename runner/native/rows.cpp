@@ -307,7 +307,10 @@ constexpr int64_t kSplitWork = 1 << 16;
 template <typename RowsOf>
 void attend_rows(
     const Rows4& qo, float* y, int B, int H, int L, int D, int G, int64_t T, float log2_scale,
-    int threads, RowsOf rows) {
+    int threads, RowsOf rows, int64_t y_head = 0) {
+  // Row i of head h (of batch row b) goes to y + (b H + h) y_head + i D: y_head = L D for an
+  // output of these rows alone, more for one sequence's rows in a wider output.
+  if (y_head == 0) y_head = static_cast<int64_t>(L) * D;
   const int per_group = H / G;
   const int64_t items = static_cast<int64_t>(B) * H * L;
   const int64_t work = items * T * D; // at most: rows see up to T keys
@@ -331,7 +334,7 @@ void attend_rows(
         const int h = static_cast<int>(item / L % H);
         const int b = static_cast<int>(item / L / H);
         tile[count] = {qo.data + b * qo.s0 + h * qo.s1 + i * qo.s2, T - L + i + 1,
-                       own + count * T, y + item * D};
+                       own + count * T, y + (int64_t(b) * H + h) * y_head + int64_t(i) * D};
       }
       const auto [kr, vr] = rows(static_cast<int>(bg / G), static_cast<int>(bg % G));
       attend_tile(tile, count, kr, vr, D, log2_scale);
@@ -388,6 +391,97 @@ void RowAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
           FloatRows{vo.data + b * vo.s0 + g * vo.s1, vo.s2}};
     });
   });
+}
+
+mx::array rows_attention(
+    const mx::array& q,
+    const std::vector<mx::array>& keys,
+    const std::vector<mx::array>& values,
+    const std::vector<int>& lengths,
+    const std::vector<int>& counts,
+    float scale,
+    int threads,
+    mx::StreamOrDevice s) {
+  if (threads < 1) fail("threads must be >= 1");
+  const size_t n = keys.size();
+  if (n == 0 || values.size() != n || lengths.size() != n || counts.size() != n)
+    fail("one key buffer, value buffer, length and row count per sequence");
+  if (q.dtype() != mx::float32 || q.ndim() != 4 || q.shape(0) != 1)
+    fail("q must be float32 [1, H, R, D]");
+  int64_t rows = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const auto &k = keys[i], &v = values[i];
+    if (k.dtype() != mx::float32 || v.dtype() != mx::float32 || k.ndim() != 4 ||
+        k.shape() != v.shape())
+      fail("every key and value buffer must be float32 [1, G, capacity, D], alike");
+    if (k.shape(0) != 1 || k.shape(3) != q.shape(3) || k.shape(1) == 0 ||
+        q.shape(1) % k.shape(1) || k.shape(1) != keys[0].shape(1))
+      fail("q [1, H, R, D] and a key buffer [1, G, capacity, D] do not match");
+    if (counts[i] < 1 || counts[i] > lengths[i] || lengths[i] > k.shape(2))
+      fail("each sequence needs 1 <= rows <= length <= its buffer's capacity");
+    rows += counts[i];
+  }
+  if (rows != q.shape(2)) fail("the sequences' rows do not add up to q's");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) fail("runs on a CPU stream only");
+  std::vector<mx::array> inputs{q};
+  for (size_t i = 0; i < n; ++i) {
+    inputs.push_back(keys[i]);
+    inputs.push_back(values[i]);
+  }
+  return mx::array(
+      q.shape(), mx::float32,
+      std::make_shared<RowsAttention>(stream, scale, threads, lengths, counts), inputs);
+}
+
+void RowsAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& q = inputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  struct Buffer {
+    const float* p;
+    mx::Shape shape;
+    mx::Strides strides;
+  };
+  std::vector<Buffer> buffers;
+  for (size_t i = 1; i < inputs.size(); ++i)
+    buffers.push_back({inputs[i].data<float>(), inputs[i].shape(), inputs[i].strides()});
+  encoder.dispatch([qp = q.data<float>(), qsh = q.shape(), qst = q.strides(),
+                    buffers = std::move(buffers), y = out.data<float>(), lengths = lengths_,
+                    counts = counts_, scale = scale_, threads = threads_]() {
+    std::vector<float> qbuf, kbuf, vbuf;
+    const Rows4 qo = rows4(qp, qsh, qst, qbuf);
+    const int H = qsh[1], R = qsh[2], D = qsh[3];
+    const float log2_scale = scale * 1.4426950408889634f; // scores in log2 units
+    int64_t start = 0;
+    for (size_t i = 0; i < counts.size(); ++i) {
+      // Sequence i: its rows of q against the first lengths[i] positions of its buffers,
+      // the very call RowAttention makes over a cache fetched up to that length.
+      const Buffer &kb = buffers[2 * i], &vb = buffers[2 * i + 1];
+      const Rows4 ko = rows4(kb.p, kb.shape, kb.strides, kbuf);
+      const Rows4 vo = rows4(vb.p, kb.shape, vb.strides, vbuf);
+      Rows4 qi = qo;
+      qi.data = qo.data + start * qo.s2;
+      attend_rows(qi, y + start * D, 1, H, counts[i], D, kb.shape[1], lengths[i], log2_scale,
+                  threads, [&](int, int g) {
+                    return std::pair{FloatRows{ko.data + g * ko.s1, ko.s2},
+                                     FloatRows{vo.data + g * vo.s1, vo.s2}};
+                  }, int64_t(R) * D);
+      start += counts[i];
+    }
+  });
+}
+
+bool RowsAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const RowsAttention&>(other);
+  return scale_ == o.scale_ && threads_ == o.threads_ && lengths_ == o.lengths_ &&
+      counts_ == o.counts_;
+}
+
+std::vector<mx::Shape> RowsAttention::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
 }
 
 bool RowAttention::is_equivalent(const mx::Primitive& other) const {

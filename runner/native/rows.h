@@ -7,6 +7,9 @@
 
 #pragma once
 
+#include <utility>
+#include <vector>
+
 #include "mlx/ops.h"
 #include "mlx/utils.h"
 #include "primitive.h"
@@ -41,6 +44,42 @@ class RowAttention : public InferencePrimitive {
  private:
   float scale_;
   int threads_;
+};
+
+// Several sequences' rows at once (a forward shared by several requests): q float32
+// [1, H, R, D] holds counts[0] rows of sequence 0, then counts[1] of sequence 1, ...;
+// sequence i's keys and values are the first lengths[i] positions of its buffers keys[i],
+// values[i] (float32 [1, G, capacity, D]: a cache's whole buffers, no fetched views), its
+// row j at position lengths[i] - counts[i] + j. Each row has the bits RowAttention gives it
+// over that sequence's cache alone; one node where R sequences took R.
+mx::array rows_attention(
+    const mx::array& q,
+    const std::vector<mx::array>& keys,
+    const std::vector<mx::array>& values,
+    const std::vector<int>& lengths,
+    const std::vector<int>& counts,
+    float scale,
+    int threads = 1,
+    mx::StreamOrDevice s = {});
+
+class RowsAttention : public InferencePrimitive {
+ public:
+  RowsAttention(mx::Stream stream, float scale, int threads, std::vector<int> lengths,
+                std::vector<int> counts)
+      : InferencePrimitive(stream), scale_(scale), threads_(threads),
+        lengths_(std::move(lengths)), counts_(std::move(counts)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "RowsAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  int threads_;
+  std::vector<int> lengths_, counts_;
 };
 
 // The same over a cache.kv_quantized packed cache: k, v uint32 [B, G, T, W] with
