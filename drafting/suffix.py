@@ -51,7 +51,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from drafting.depth import MAX_DRAFT_DEPTH as MAX_DRAFT  # the verify paths' ceiling
@@ -392,20 +392,10 @@ class SuffixModel:
     def best_length(self, bucket: int, available: int) -> tuple[int, float]:
         """The draft length (at most ``available``) with the best rate, and that rate in
         committed tokens per plain step's time."""
-        # Asked before every plain step where the text was seen: the rates, the cost line and
-        # the expected tokens (a running sum over the lengths) are each computed once here.
-        first, rest = self._rates(bucket)
         base, slope = self.cost_line()
         best, best_rate = 0, 1.0
-        total, run, summed = 1.0, first, 0
-        for k in LENGTHS:
-            if k > available:
-                break
-            for _ in range(k - summed):
-                total += run
-                run *= rest
-            summed = k
-            rate = total / max(base + slope * k, 1.0)
+        for k, extra in self._extra_by_length(bucket, available):
+            rate = (1.0 + extra) / max(base + slope * k, 1.0)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, best_rate
@@ -415,20 +405,26 @@ class SuffixModel:
         most exceed ``row_cost`` tokens a row: a draft in a forward shared with other
         requests slows every one of them, so it pays by what it adds to the step, not by
         its own round's rate."""
-        first, rest = self._rates(bucket)
         best, best_gain = 0, 0.0
+        for k, extra in self._extra_by_length(bucket, available):
+            if extra - row_cost * k > best_gain:
+                best, best_gain = k, extra - row_cost * k
+        return best
+
+    def _extra_by_length(self, bucket: int, available: int) -> Iterator[tuple[int, float]]:
+        """``(k, expected accepted drafts)`` for each of ``LENGTHS`` up to ``available``.
+        Asked before every plain step where the text was seen: the rates are read once and
+        the expectation is a running sum over the lengths."""
+        first, rest = self._rates(bucket)
         extra, run, summed = 0.0, first, 0
         for k in LENGTHS:
             if k > available:
-                break
+                return
             for _ in range(k - summed):
                 extra += run
                 run *= rest
             summed = k
-            gain = extra - row_cost * k
-            if gain > best_gain:
-                best, best_gain = k, gain
-        return best
+            yield k, extra
 
     def state(self) -> dict:
         """Plain values for the ``status`` frame."""

@@ -15,11 +15,11 @@ import pytest
 from drafting.seam import HostError, TargetError
 from drafting.suffix import SuffixModel
 from protocol.frames import Error
-from protocol.requests import Completion, Options
+from protocol.requests import Completion
 from runner.batch import ROW_COST_PRIOR, Scheduler, SharedCost
 from runner.engine import Engine, EngineOptions
 from runner.prefill import prefill
-from tests.test_batch import CHAT, QUESTIONS, Collector, alone, together
+from tests.test_batch import CHAT, QUESTIONS, Collector, alone, request, together
 
 # Prompts whose answers copy them: their streams draft from the prompt in shared forwards.
 PASSAGES = [
@@ -31,16 +31,13 @@ PASSAGES = [
 
 
 def copying(rid: str, i: int, **options) -> Completion:
-    options.setdefault("temperature", 0.0)
-    options.setdefault("repeat_penalty", 1.0)
+    """A request whose answer copies a passage of its prompt (no repeat penalty)."""
     text = f"Repeat this text exactly, twice: {PASSAGES[i % len(PASSAGES)]}"
-    return Completion(id=rid, prompt=CHAT.format(text), options=Options(**options))
+    return request(rid, text, **{"repeat_penalty": 1.0, **options})
 
 
 def chatting(rid: str, i: int, **options) -> Completion:
-    options.setdefault("temperature", 0.0)
-    options.setdefault("repeat_penalty", 1.0)
-    return Completion(id=rid, prompt=CHAT.format(QUESTIONS[i]), options=Options(**options))
+    return request(rid, QUESTIONS[i], **{"repeat_penalty": 1.0, **options})
 
 
 @pytest.fixture(scope="module")
