@@ -50,6 +50,14 @@ def four(default_model):
     return Engine(EngineOptions(model_path=default_model, parallel=4))
 
 
+@pytest.fixture
+def drafts_pay(monkeypatch):
+    """Rows taken as nearly free: a stream drafts whenever the index continues its text, so
+    whether rounds run in the shared forwards does not hang on the step times a loaded
+    machine measures (``SharedCost``; its own tests are below)."""
+    monkeypatch.setattr(SharedCost, "row_cost", lambda self, streams: 0.01)
+
+
 def suffix_drafted(out: Collector) -> int:
     sources = out.done.speculation.sources or {}
     return sources["suffix"].drafted if "suffix" in sources else 0
@@ -83,7 +91,7 @@ def test_ragged_rows_equal_each_sequence_fed_alone(engine):
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-def test_eight_streams_speculating_in_shared_forwards_equal_alone(engine, sampled):
+def test_eight_streams_speculating_in_shared_forwards_equal_alone(engine, sampled, drafts_pay):
     """Four copying and four chatting streams at once: the copying ones verify suffix drafts
     inside the shared forwards (and with the head's drafts when they end up alone), and
     every stream's tokens and ending equal its own alone."""
@@ -110,17 +118,17 @@ def test_without_speculation_shared_forwards_feed_one_row_a_stream(engine):
     assert all(outs[r.id].ids == solo[r.id] for r in reqs)
 
 
-def test_shared_draft_rows_zero_keeps_drafts_to_streams_alone(engine, monkeypatch):
-    """``--shared-draft-rows 0``: shared forwards feed one row a stream; the streams still
-    speculate while alone, and give what they give alone."""
-    monkeypatch.setattr(engine, "shared_draft_rows", 0)
+def test_shared_draft_rows_zero_keeps_drafts_to_streams_alone(engine, monkeypatch, drafts_pay):
+    """``--shared-draft-rows 0``: shared forwards feed one row a stream (the same requests
+    draft there otherwise), and every stream gives what it gives alone."""
     reqs = [copying(f"o{i}", i, num_predict=30 + 10 * i) for i in range(3)]
     solo = {r.id: alone(engine, r).ids for r in reqs}
     outs, scheduler = together(engine, reqs)
+    assert scheduler.shared_rounds > 0
+    monkeypatch.setattr(engine, "shared_draft_rows", 0)
+    outs, scheduler = together(engine, reqs)
     assert scheduler.shared_steps > 0 and scheduler.shared_rounds == 0
     assert all(outs[r.id].ids == solo[r.id] for r in reqs)
-    # The longest stream decodes its last tokens alone: it speculates there.
-    assert outs["o2"].done.speculation.rounds > 0
 
 
 def run_with_failing_round(engine, reqs, victim: str, error: Exception):
@@ -153,7 +161,7 @@ def run_with_failing_round(engine, reqs, victim: str, error: Exception):
 @pytest.mark.parametrize(
     "error", [HostError("host fault in a shared round"), TargetError("target fault")]
 )
-def test_a_shared_round_that_fails_ends_its_own_stream_only(engine, error):
+def test_a_shared_round_that_fails_ends_its_own_stream_only(engine, error, drafts_pay):
     """A host failure after the shared forward (VERIFY_HOST, no salvage) ends the stream
     with an error, its caches rewound to the committed prefix; a target failure ends it and
     resets its slot. The other streams' tokens are unchanged, and the engine serves the
@@ -172,7 +180,7 @@ def test_a_shared_round_that_fails_ends_its_own_stream_only(engine, error):
     assert alone(engine, reqs[0]).ids == expected["v0"]
 
 
-def test_cancelling_a_speculating_stream_leaves_the_others_unchanged(engine):
+def test_cancelling_a_speculating_stream_leaves_the_others_unchanged(engine, drafts_pay):
     reqs = [copying(f"k{i}", i, num_predict=50) for i in range(4)]
     expected = {r.id: alone(engine, r).ids for r in reqs}
     outs, scheduler = together(engine, reqs, cancel_after={"k0": 12})
@@ -186,7 +194,7 @@ def test_cancelling_a_speculating_stream_leaves_the_others_unchanged(engine):
 
 
 @pytest.mark.parametrize("seed", [3, 8])
-def test_random_mixes_of_speculating_streams_equal_alone(four, seed):
+def test_random_mixes_of_speculating_streams_equal_alone(four, seed, drafts_pay):
     """Fuzz: seven requests through four slots (copying or chatting, greedy or seeded,
     budgets, stop strings, a cancel), four speculating streams at a time: every finished
     stream equals alone, a cancelled one is a prefix of it."""
