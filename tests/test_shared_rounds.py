@@ -14,7 +14,7 @@ import pytest
 
 from drafting.seam import HostError, TargetError
 from drafting.suffix import SuffixModel
-from protocol.frames import Error
+from protocol.frames import Error, Token
 from protocol.requests import Completion
 from runner.batch import ROW_COST_PRIOR, Scheduler, SharedCost
 from runner.engine import Engine, EngineOptions
@@ -129,6 +129,30 @@ def test_shared_draft_rows_zero_keeps_drafts_to_streams_alone(engine, monkeypatc
     outs, scheduler = together(engine, reqs)
     assert scheduler.shared_steps > 0 and scheduler.shared_rounds == 0
     assert all(outs[r.id].ids == solo[r.id] for r in reqs)
+
+
+def test_logprobs_and_stop_strings_of_shared_rounds_match_alone(engine, drafts_pay):
+    """Copying streams asking for logprobs, one with a stop string: the same text and tokens
+    as alone, a logprob entry for every token, each the one alone gives it up to the last
+    bits (a verify row's logits may differ from a plain row's there; alone and shared, the
+    rounds fall at other positions)."""
+    reqs = [copying(f"p{i}", i, num_predict=40, stop=["dog"] if i == 0 else None) for i in range(3)]
+    for r in reqs:
+        r.logprobs, r.top_logprobs = True, 2
+    solo = {r.id: alone(engine, r) for r in reqs}
+    outs, scheduler = together(engine, reqs)
+    assert scheduler.shared_rounds > 0
+    for r in reqs:
+        got = [f for f in outs[r.id].frames if isinstance(f, Token)]
+        want = [f for f in solo[r.id].frames if isinstance(f, Token)]
+        assert [f.content for f in got] == [f.content for f in want], r.id
+        entries = [e for f in got for e in f.logprobs]
+        expected = [e for f in want for e in f.logprobs]
+        assert [e.id for e in entries] == [e.id for e in expected] == outs[r.id].ids
+        for e, x in zip(entries, expected, strict=True):
+            assert e.logprob == pytest.approx(x.logprob, abs=1e-4)
+            assert len(e.top_logprobs) == len(x.top_logprobs) == 2
+        assert outs[r.id].done.done_reason == solo[r.id].done.done_reason
 
 
 def run_with_failing_round(engine, reqs, victim: str, error: Exception):
