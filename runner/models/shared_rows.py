@@ -18,6 +18,7 @@ takes two nodes a sequence (the writes) and three besides, where it took five a 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import mlx.core as mx
 
@@ -85,7 +86,13 @@ class SharedRows:
 
 
 def attend_rows(
-    attn, q: mx.array, k: mx.array, v: mx.array, caches: list, counts: list[int], ends: list[int]
+    attn: Any,
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    caches: list,
+    counts: list[int],
+    ends: list[int],
 ) -> mx.array:
     """One layer's attention for several sequences' rows (``[1, heads, R, dim]`` each of q, k,
     v; ``counts[i]`` rows of sequence i, split at ``ends``): each sequence's keys and values
@@ -94,7 +101,7 @@ def attend_rows(
     if not ends:
         return attn.attend_cached(q, k, v, None if counts[0] == 1 else "causal", caches[0])
     keys, values = mx.split(k, ends, axis=2), mx.split(v, ends, axis=2)
-    if q.dtype == mx.float32 and fused(attn, caches, counts):
+    if q.dtype == mx.float32 and in_one_node(attn, caches, counts):
         lengths = [c.append(ki, vi) for c, ki, vi in zip(caches, keys, values, strict=True)]
         return native.rows_attention(
             q,
@@ -114,7 +121,7 @@ def attend_rows(
     return mx.concatenate(parts, axis=2)
 
 
-def fused(attn, caches: list, counts: list[int]) -> bool:
+def in_one_node(attn: Any, caches: list, counts: list[int]) -> bool:
     """Whether one native node can attend these sequences' rows: the conditions under which
     llama's ``attend_cached`` takes the native row attention, over plain float caches (a
     family whose attention sets no ``rows_native`` attends sequence by sequence)."""
