@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NoReturn
 
 import mlx.core as mx
 
@@ -307,7 +308,7 @@ class MlxRoundOps:
             rows=hidden,
         )
 
-    def _feed_failed(self, entry: int, proposal, exc: Exception) -> None:
+    def _feed_failed(self, entry: int, proposal, exc: Exception) -> NoReturn:
         """A verify feed failed: the caches rewind to ``entry``; raises the head's failure
         when the lazy drafts fail to evaluate (layers start as they are built, so they may
         have run and failed inside the feed), else the target's."""

@@ -328,10 +328,7 @@ class Scheduler:
         try:
             tokens = mx.concatenate([row.tokens for _, row in rows])
             caches = [s.slot.caches for s, _ in rows]
-            if max(counts) > 1:
-                hidden = model.hidden_rows(tokens, caches, counts)
-            else:
-                hidden = model.hidden_rows(tokens, caches)
+            hidden = model.hidden_rows(tokens, caches, counts)
             logits = model.unembed(hidden)
             mx.async_eval(hidden, logits, [s.cache_state() for s, _ in rows])
         except Exception as exc:
