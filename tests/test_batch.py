@@ -176,9 +176,13 @@ def test_interleaved_multi_turn_chats_keep_their_prefix_hits(engine):
 
 
 def test_parallel_falls_back_to_one_for_models_it_cannot_batch(checkpoint_factory):
-    sliding = checkpoint_factory("mistral", sliding_window=8)
-    engine = Engine(EngineOptions(model_path=sliding, parallel=4, use_draft=False))
-    assert engine.parallel == 1 and "sliding" in engine.parallel_detail
+    """A RoPE whose rotation depends on how the tokens were fed (dynamic NTK) has no per-row
+    tables: the engine serves one completion at a time and says why."""
+    dynamic = checkpoint_factory(
+        "llama", rope_scaling={"type": "dynamic", "factor": 2.0}, max_position_embeddings=16
+    )
+    engine = Engine(EngineOptions(model_path=dynamic, parallel=4, use_draft=False))
+    assert engine.parallel == 1 and "RoPE depends" in engine.parallel_detail
     assert len(engine.slots) == 1
 
 

@@ -398,20 +398,25 @@ class FeedLayout:
         self.masks: dict[tuple[int, int], object] = {}
         self.tables: dict[str, tuple] = {}
 
+    def layer_mask(self, layer, cache):
+        """The mask of ``layer`` (its ``window``) over ``cache``, before the feed's rows go in."""
+        offset, length = self.offset, self.length
+        if layer.window is None or (self.few and offset + length <= layer.window):
+            # (A window that has not yet slid is causal: a few rows attend row by row.)
+            return self.full
+        if self.mask is not None:
+            raise ValueError("per-sequence masks are not supported with sliding layers")
+        start = cache.window_lo(offset)
+        key = (layer.window, start)
+        if key not in self.masks:
+            self.masks[key] = window_mask(offset, length, layer.window, start, self.dtype)
+        return self.masks[key]
+
     def layer_mask_and_rope(self, layer, cache) -> tuple:
         """The mask and RoPE tables of ``layer`` (its ``window``, ``rope_group`` and
         ``self_attn.rope``) over ``cache``."""
         offset, length = self.offset, self.length
-        layer_mask = self.full
-        if layer.window is not None and not (self.few and offset + length <= layer.window):
-            # (A window that has not yet slid is causal: a few rows attend row by row.)
-            if self.mask is not None:
-                raise ValueError("per-sequence masks are not supported with sliding layers")
-            start = cache.window_lo(offset)
-            key = (layer.window, start)
-            if key not in self.masks:
-                self.masks[key] = window_mask(offset, length, layer.window, start, self.dtype)
-            layer_mask = self.masks[key]
+        layer_mask = self.layer_mask(layer, cache)
         rope = self.tables.get(layer.rope_group)
         if rope is None:
             rope = self.tables[layer.rope_group] = layer.self_attn.rope.tables(

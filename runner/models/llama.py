@@ -34,7 +34,7 @@ from runner.models.layers import (
     product,
 )
 from runner.models.rope import RoPE, RopeTables
-from runner.models.shared_rows import SharedRows
+from runner.models.shared_rows import SequenceRows, SharedRows, attend_rows
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Attention honours ModelArgs.sliding_window / layer_types (runner/models/config.py): sliding
@@ -298,11 +298,22 @@ class DecoderLayer(nn.Module):
     ) -> mx.array:
         if rope is None:
             rope = self.self_attn.rope.tables(cache.offset, x.shape[1], x.dtype)
-        before, after = self.before_cache, self.after_attention
-        if self.compiled is not None and self.compiled.serves(x):
-            before, after = self.compiled.before_cache, self.compiled.after_attention
+        before, after = self.parts(x)
         q, k, v = before(x, *rope)
         return after(x, self.self_attn.attend_cached(q, k, v, mask, cache))
+
+    def rows(self, x: mx.array, rope: RopeTables, caches: list, rows: SequenceRows) -> mx.array:
+        """Rows of several sequences (``runner.models.shared_rows``), each attending over its
+        own cache in ``caches``."""
+        before, after = self.parts(x)
+        q, k, v = before(x, *rope)
+        return after(x, attend_rows(self, q, k, v, caches, rows))
+
+    def parts(self, x: mx.array) -> tuple[Callable, Callable]:
+        """``before_cache`` and ``after_attention``, compiled where the blocks serve ``x``."""
+        if self.compiled is not None and self.compiled.serves(x):
+            return self.compiled.before_cache, self.compiled.after_attention
+        return self.before_cache, self.after_attention
 
     def before_cache(self, x: mx.array, *rope: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.queries_keys_values(self.input_layernorm(x), rope)
@@ -504,16 +515,15 @@ class Model(SharedRows, nn.Module):
             yield index, x
 
     def rows_refusal(self) -> str | None:
-        """Why :meth:`hidden_rows` cannot serve this model (None: it can). It needs blocks of
-        the ``DecoderLayer`` shape over full-attention caches and a RoPE that does not depend
-        on the feed; sliding windows and recurrent layers keep per-sequence state it does not
-        batch."""
+        """Why :meth:`hidden_rows` cannot serve this model (None: it can). It needs blocks
+        that take rows of several sequences (``DecoderLayer.rows``, or a block's own) and a
+        RoPE that does not depend on the feed."""
         for layer in self.model.layers:
-            if type(layer).__call__ is not DecoderLayer.__call__:
-                return f"{type(layer).__name__} blocks are not batched across sequences"
-            if layer.window is not None:
-                return "sliding-window layers are not batched across sequences"
-            if layer.self_attn.rope.depends_on_feed:
+            kind = type(layer)
+            if kind.__call__ is not DecoderLayer.__call__ and kind.rows is DecoderLayer.rows:
+                return f"{kind.__name__} blocks are not batched across sequences"
+            attn = getattr(layer, "self_attn", None)
+            if attn is not None and attn.rope.depends_on_feed:
                 return "the RoPE depends on how tokens are fed"
         return None
 

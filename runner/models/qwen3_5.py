@@ -71,6 +71,7 @@ from runner.models.qwen3_5_config import FAMILIES as FAMILIES
 from runner.models.qwen3_5_config import HybridSettings, settings
 from runner.models.qwen3_5_config import model_args as model_args
 from runner.models.rope import RoPE, RopeTables
+from runner.models.shared_rows import SequenceRows, attend_rows
 
 log = logging.getLogger("mtp_runner.models")
 
@@ -254,11 +255,15 @@ class AttentionBlock(DecoderLayer):
     def __call__(self, x: mx.array, mask: Mask, cache, rope: RopeTables | None = None) -> mx.array:
         if rope is None:  # a layer run on its own (the MTP head): its cache's request layout
             rope = self.rope_tables(cache.layout, cache.offset, x.shape[1], x.dtype)
-        before, after = self.before_cache, self.after_attention
-        if self.compiled is not None and self.compiled.serves(x):
-            before, after = self.compiled.before_cache, self.compiled.after_attention
+        before, after = self.parts(x)
         q, k, v, gate = before(x, *rope)
         return after(x, self.self_attn.attend_cached(q, k, v, mask, cache), gate)
+
+    def rows(self, x: mx.array, rope: RopeTables, caches: list, rows: SequenceRows) -> mx.array:
+        """Rows of several sequences (``runner.models.shared_rows``), the gate carried."""
+        before, after = self.parts(x)
+        q, k, v, gate = before(x, *rope)
+        return after(x, attend_rows(self, q, k, v, caches, rows), gate)
 
     def rope_tables(self, layout, offset: int, length: int, dtype: mx.Dtype) -> RopeTables:
         """The tables of rows ``offset..`` of a request with this ``layout`` (None: plain)."""
@@ -400,12 +405,24 @@ class LinearBlock(DecoderLayer):
     def __call__(
         self, x: mx.array, mask: Mask, cache: RecurrentCache, rope: RopeTables | None = None
     ) -> mx.array:
-        before, after = self.before_cache, self.after_attention
         compiled = self.compiled is not None and self.compiled.serves(x)
-        if compiled:
-            before, after = self.compiled.before_cache, self.compiled.after_attention
+        before, after = self.parts(x)
         qkv, z, b, a = before(x)
         y = self.recur(qkv, b, a, cache, compiled)
+        return after(x, y, z)
+
+    def rows(self, x: mx.array, rope: RopeTables, caches: list, rows: SequenceRows) -> mx.array:
+        """One row of each of several sequences (``runner.models.shared_rows``): the
+        projections shared, each sequence's conv and state stepped by its own row, as a step
+        of its own steps them (a state does not rewind, so a sequence feeds one row)."""
+        compiled = self.compiled is not None and self.compiled.serves(x)
+        before, after = self.parts(x)
+        qkv, z, b, a = before(x)
+        if rows.ends:
+            split = zip(*(mx.split(t, rows.ends, axis=1) for t in (qkv, b, a)), caches, strict=True)
+            y = mx.concatenate([self.recur(*t, cache, compiled) for *t, cache in split], axis=1)
+        else:
+            y = self.recur(qkv, b, a, caches[0], compiled)
         return after(x, y, z)
 
     def recur(
@@ -478,6 +495,9 @@ class Model(LlamaCausalLM):
     # Its ``hidden`` takes no ``on_layer``, and a recurrent state does not rewind to any
     # offset of the last feed: prefill feeds a chunk at a time.
     takes_layer_hook: bool = False
+    # Shared forwards feed a row a sequence: a verify of several rows keeps states to roll
+    # back to, which a step of its own does (``LinearBlock.recur``) and a shared one does not.
+    ragged_rows: int = 0
 
     def prepare_weights(
         self, weights: dict[str, mx.array], sources: dict[str, str]

@@ -8,6 +8,12 @@ their own runs, so a sequence's rows keep their bits whatever else is in the for
 (wherever the products' arithmetic does not depend on the row count: ``runner.native``'s
 panel products, which the CPU layout uses).
 
+Each layer takes its rows with ``rows`` (``DecoderLayer.rows``; the hybrid's blocks have
+their own: a recurrent layer steps each sequence's state by its own row). Each sequence's rows
+attend with the mask a feed of its own builds (``FeedLayout``: causal over its own rows, a
+sliding layer's window from its own offset), and a prompt with images keeps its positions and
+feature rows.
+
 Per layer, each sequence costs graph nodes of its own: its key and value writes into its
 cache and its attention. Where every cache is a plain ``KVCache`` and the layer attends
 through ``runner.native``'s row attention, the attention of all sequences is one node over
@@ -18,19 +24,76 @@ takes two nodes a sequence (the writes) and three besides, where it took five a 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from cache.kv import KVCache
 from runner import native
-from runner.models.attention import ROW_BY_ROW
+from runner.models.attention import ROW_BY_ROW, FeedLayout
 from runner.models.rope import RopeTables
+
+
+@dataclass
+class SequenceRows:
+    """How one shared forward's rows divide among its sequences: ``counts[i]`` rows of
+    sequence i (in order; ``ends``: where each but the last ends), fed after ``caches[i]`` at
+    ``offsets[i]`` (taken before the first layer appends; a RoPE group's tables are built at
+    its first layer); ``feeds[i]``, the masks a feed of sequence i's own rows builds."""
+
+    counts: list[int]
+    ends: list[int]
+    caches: list[list]
+    offsets: list[int]
+    feeds: list[FeedLayout]
+    dtype: mx.Dtype
+
+    @classmethod
+    def of(cls, model: Any, caches: list[list], counts: list[int], dtype: mx.Dtype) -> SequenceRows:
+        attn0 = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
+        offsets = [c[0].offset for c in caches]
+        feeds = [
+            FeedLayout(attn0, offset, n, dtype, None)
+            for offset, n in zip(offsets, counts, strict=True)
+        ]
+        ends = list(itertools.accumulate(counts))[:-1]
+        return cls(counts, ends, caches, offsets, feeds, dtype)
+
+    def rope_tables(self, layer: Any) -> RopeTables:
+        """``layer``'s RoPE tables for every row: each at its sequence's next positions (a
+        prompt with images at the positions its layout gives)."""
+        layouts = [c[0].layout for c in self.caches]
+        if all(layout is None for layout in layouts):
+            sequences = zip(self.offsets, self.counts, strict=True)
+            positions = [offset + j for offset, n in sequences for j in range(n)]
+            return layer.self_attn.rope.row_tables(positions, self.dtype)
+        parts = [
+            layer.rope_tables(layout, offset, n, self.dtype)
+            for layout, offset, n in zip(layouts, self.offsets, self.counts, strict=True)
+        ]
+        cos, sin = (mx.concatenate([p[i] for p in parts]) for i in (0, 1))
+        return (cos, sin, *parts[0][2:])
+
+    def overlay(self, x: mx.array) -> mx.array:
+        """The embedded rows ``x`` ``[1, R, D]`` with a prompt's image feature rows in place
+        (``ImageLayout.overlay``, which also notes what the target has embedded)."""
+        layouts = [c[0].layout for c in self.caches]
+        if all(layout is None for layout in layouts):
+            return x
+        parts = mx.split(x, self.ends, axis=1) if self.ends else [x]
+        return mx.concatenate(
+            [
+                part if layout is None else layout.overlay(part, offset, "target")
+                for part, layout, offset in zip(parts, layouts, self.offsets, strict=True)
+            ],
+            axis=1,
+        )
 
 
 class SharedRows:
     """``hidden_rows`` and ``layer_rows`` for a model with the llama family's stack
-    (``embed``, ``model.layers`` of ``DecoderLayer`` shape, ``draft_rows``)."""
+    (``embed``, ``model.layers`` whose blocks take ``rows``, ``draft_rows``)."""
 
     # The most rows ``hidden_rows`` takes with several per sequence (verify feeds in a shared
     # forward; 0: one each). A family sets it to the row counts its blocks serve compiled.
@@ -46,38 +109,38 @@ class SharedRows:
         counts = [1] * len(caches) if counts is None else counts
         if tokens.shape[0] != sum(counts) or len(counts) != len(caches):
             raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists ({counts})")
-        x, streams = self.layer_rows(self.embed(tokens.reshape(1, -1)), caches, counts)
+        x = self.embed(tokens.reshape(1, -1))
+        x, streams = self.layer_rows(x, caches, counts, overlay=True)
         return self.draft_rows(x, streams)[0]
 
     def layer_rows(
-        self, x: mx.array, caches: list[list[KVCache]], counts: list[int] | None = None
+        self,
+        x: mx.array,
+        caches: list[list[KVCache]],
+        counts: list[int] | None = None,
+        overlay: bool = False,
     ) -> tuple[mx.array, list[mx.array]]:
         """:meth:`hidden_rows`' layers: rows ``x`` ``[1, R, D]``, ``counts[i]`` of them after
         ``caches[i]``; the last layer's output rows (before the final norm) and the draft
-        streams. A split model's later ranks run their own layers on the rows they are
-        handed."""
+        streams. ``overlay``: ``x`` was just embedded (image rows go in). A split model's
+        later ranks run their own layers on the rows they are handed."""
         counts = [1] * len(caches) if counts is None else counts
         if x.shape[1] != sum(counts) or len(counts) != len(caches) or min(counts) < 1:
             raise ValueError(f"{x.shape[1]} rows for {len(caches)} cache lists ({counts})")
-        positions = [c[0].offset + j for c, n in zip(caches, counts, strict=True) for j in range(n)]
-        # Where each sequence's rows end: one split a tensor gives every sequence's rows as
-        # views (one node where a slice per sequence was one each, and each node is a task of
-        # its own on the CPU stream).
-        ends = list(itertools.accumulate(counts))[:-1]
+        if max(counts) > 1 and not self.ragged_rows:
+            raise ValueError(f"{type(self).__name__} takes one row a sequence ({counts})")
+        rows = SequenceRows.of(self, caches, counts, x.dtype)
+        if overlay:
+            x = rows.overlay(x)
         tables: dict[str, RopeTables] = {}
         wanted = self.draft_stream_layers
         streams = []
         for index, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            rope = tables.get(layer.rope_group)
-            if rope is None:
-                rope = tables[layer.rope_group] = attn.rope.row_tables(positions, x.dtype)
-            before, after = layer.before_cache, layer.after_attention
-            if layer.compiled is not None and layer.compiled.serves(x):
-                before, after = layer.compiled.before_cache, layer.compiled.after_attention
-            q, k, v = before(x, *rope)
-            own = [c[index] for c in caches]
-            x = after(x, attend_rows(attn, q, k, v, own, counts, ends))
+            rope: RopeTables = ()
+            if hasattr(layer, "self_attn"):
+                rope = tables.get(layer.rope_group) or rows.rope_tables(layer)
+                tables[layer.rope_group] = rope
+            x = layer.rows(x, rope, [c[index] for c in caches], rows)
             # Start each layer as soon as it is built (drafting.mlx_ops.dispatch_layer says why).
             mx.async_eval(x)
             if index in wanted:
@@ -86,21 +149,17 @@ class SharedRows:
 
 
 def attend_rows(
-    attn: Any,
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    caches: list,
-    counts: list[int],
-    ends: list[int],
+    layer: Any, q: mx.array, k: mx.array, v: mx.array, caches: list, rows: SequenceRows
 ) -> mx.array:
     """One layer's attention for several sequences' rows (``[1, heads, R, dim]`` each of q, k,
-    v; ``counts[i]`` rows of sequence i, split at ``ends``): each sequence's keys and values
-    appended to its cache and its rows attended over it, in one native node where every
-    cache is a plain ``KVCache`` and the layer attends through the row attention."""
-    if not ends:
-        return attn.attend_cached(q, k, v, None if counts[0] == 1 else "causal", caches[0])
-    keys, values = mx.split(k, ends, axis=2), mx.split(v, ends, axis=2)
+    v; divided as ``rows`` says): each sequence's keys and values appended to its cache and
+    its rows attended over it with its own feed's mask, in one native node where every cache
+    is a plain ``KVCache`` and the layer attends through the row attention."""
+    attn, counts = layer.self_attn, rows.counts
+    if not rows.ends:
+        mask = rows.feeds[0].layer_mask(layer, caches[0])
+        return attn.attend_cached(q, k, v, mask, caches[0])
+    keys, values = mx.split(k, rows.ends, axis=2), mx.split(v, rows.ends, axis=2)
     if q.dtype == mx.float32 and in_one_node(attn, caches, counts):
         lengths = [c.append(ki, vi) for c, ki, vi in zip(caches, keys, values, strict=True)]
         return native.rows_attention(
@@ -112,10 +171,12 @@ def attend_rows(
             scale=attn.scale,
             threads=attn.row_threads,
         )
+    # Masks first: a sliding layer's window starts from the cache's offset before the feed.
+    masks = [feed.layer_mask(layer, c) for feed, c in zip(rows.feeds, caches, strict=True)]
     parts = [
-        attn.attend_cached(qi, ki, vi, None if n == 1 else "causal", cache)
-        for qi, ki, vi, n, cache in zip(
-            mx.split(q, ends, axis=2), keys, values, counts, caches, strict=True
+        attn.attend_cached(qi, ki, vi, mask, cache)
+        for qi, ki, vi, mask, cache in zip(
+            mx.split(q, rows.ends, axis=2), keys, values, masks, caches, strict=True
         )
     ]
     return mx.concatenate(parts, axis=2)

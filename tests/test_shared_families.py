@@ -1,0 +1,99 @@
+"""Families with per-sequence state beyond a plain cache in shared forwards (``--parallel``):
+sliding-window layers (Mistral, Qwen2, Gemma 2 / 3: each sequence's rows masked to its own
+window over its own rotating cache) and the Qwen3.5 hybrid (each sequence's recurrent state
+stepped by its own row, a prompt with images at its own positions). Every stream gives what
+it gives alone, greedy and seeded, with drafts verified in the shared forwards where the
+family takes several rows a sequence."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+
+from protocol.requests import Completion, Options
+from runner.engine import Engine, EngineOptions
+from tests.test_batch import alone, together
+from tests.test_shared_rounds import drafts_pay  # noqa: F401 (a fixture)
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference"
+SLIDING = ["mistral_sliding", "qwen2_sliding_new", "gemma2_new", "gemma3_text_new"]
+SEEDED = {"temperature": 0.8, "top_k": 40, "seed": 7}
+
+
+def requests(tag: str, count: int, **options) -> list[Completion]:
+    """Prompts of different lengths whose answers run past the fixtures' 16-token windows;
+    the odd ones repeat a phrase, so the suffix drafter has text to draft from."""
+    reqs = []
+    for i in range(count):
+        phrase = [11 + 3 * i, 40 + i, 77, 5 + 2 * i, 120 - i]
+        tokens = phrase * (3 if i % 2 else 1) + list(range(30 + i, 36 + 2 * i))
+        opts = Options(**{"temperature": 0.0, "num_predict": 36 + 5 * i, **options})
+        reqs.append(Completion(id=f"{tag}{i}", tokens=tokens, options=opts))
+    return reqs
+
+
+def assert_equal_alone(engine: Engine, reqs: list[Completion]):
+    solo = {r.id: alone(engine, r) for r in reqs}
+    outs, scheduler = together(engine, reqs)
+    assert scheduler.shared_steps > 0
+    for r in reqs:
+        assert outs[r.id].ids == solo[r.id].ids, r.id
+        assert outs[r.id].done.done_reason == solo[r.id].done.done_reason, r.id
+    return outs, scheduler
+
+
+@pytest.mark.parametrize("case", SLIDING)
+def test_sliding_window_streams_in_shared_forwards_equal_alone(case, drafts_pay):  # noqa: F811
+    """Four streams of a sliding-window family decode in shared forwards past their windows,
+    each with its drafts verified there: the same tokens as alone, greedy and seeded."""
+    engine = Engine(EngineOptions(model_path=str(FIXTURES / case), parallel=4))
+    assert engine.parallel == 4, engine.parallel_detail
+    assert engine.shared_draft_rows > 0
+    _, greedy = assert_equal_alone(engine, requests("g", 5))
+    assert greedy.shared_rounds > 0
+    assert_equal_alone(engine, requests("s", 5, **SEEDED))
+
+
+@pytest.mark.parametrize("case", ["qwen3_5_text", "qwen3_5_vl"])
+def test_hybrid_streams_in_shared_forwards_equal_alone(case):
+    """The Qwen3.5 hybrid decodes several streams in one forward (a row a stream: its
+    recurrent states step by one row each); a stream left alone speculates with the
+    checkpoint's own head again. The same tokens as alone, greedy and seeded."""
+    engine = Engine(EngineOptions(model_path=str(FIXTURES / "hybrid" / case), parallel=3))
+    assert engine.parallel == 3, engine.parallel_detail
+    assert engine.shared_draft_rows == 0
+    assert_equal_alone(engine, requests("g", 4))
+    assert_equal_alone(engine, requests("s", 4, **SEEDED))
+
+
+def test_an_image_prompt_in_shared_forwards_equals_alone():
+    """A prompt with an image shares forwards with text prompts: its rows keep the image's
+    positions and feature rows, and every stream gives what it gives alone."""
+    fixture = FIXTURES / "vision" / "qwen3_5_vision"
+    image = base64.b64encode((fixture / "images" / "A.png").read_bytes()).decode()
+    engine = Engine(EngineOptions(model_path=str(fixture), parallel=3))
+    assert engine.parallel == 3, engine.parallel_detail
+    reqs = [
+        Completion(
+            id=f"v{i}",
+            prompt=f"look {i} [img-0] and say" if i != 1 else "no image here, just text",
+            images=[image] if i != 1 else None,
+            options=Options(temperature=0.0, num_predict=20 + 4 * i),
+        )
+        for i in range(3)
+    ]
+    assert_equal_alone(engine, reqs)
+
+
+def test_hidden_rows_refuse_several_rows_a_sequence_on_the_hybrid():
+    """The hybrid's recurrent states step a row at a time in shared forwards: a forward with
+    several rows of a sequence is refused by name, not computed wrongly."""
+    import mlx.core as mx
+
+    engine = Engine(EngineOptions(model_path=str(FIXTURES / "hybrid" / "qwen3_5_text")))
+    model = engine.model
+    caches = [model.make_caches(), model.make_caches()]
+    with pytest.raises(ValueError, match="one row a sequence"):
+        model.hidden_rows(mx.array([3, 4, 5], dtype=mx.int32), caches, [1, 2])
