@@ -34,6 +34,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from runner import native
+
 CHUNK = 64  # rows solved together: more rows, fewer sequential steps but more C^2 work
 L2_EPS = 1e-6  # transformers' l2norm: x * rsqrt(sum(x^2) + eps)
 
@@ -106,7 +108,20 @@ def recurrent_step(
     q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
 ) -> tuple[mx.array, mx.array]:
     """One row, heads first: ``q``, ``k`` ``[B, H, Dk]``, ``v`` ``[B, H, Dv]``, ``g``, ``beta``
-    ``[B, H]``, ``state`` ``[B, H, Dk, Dv]``; returns ``y [B, H, Dv]`` and the new state."""
+    ``[B, H]``, ``state`` ``[B, H, Dk, Dv]``; returns ``y [B, H, Dv]`` and the new state.
+
+    On the CPU, ``runner.native``'s step: two passes over the state, where these ops take
+    several and a temporary of the state each (the state is the step's memory traffic)."""
+    if mx.default_device() == mx.cpu and native.delta_available():
+        y, state = native.delta_step(q, k, v, g, beta, state)
+        return y, state
+    return composed_step(q, k, v, g, beta, state)
+
+
+def composed_step(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """:func:`recurrent_step` in MLX ops (any device)."""
     state = state * mx.exp(g)[..., None, None]
     remembered = (k[:, :, None, :] @ state)[:, :, 0]  # S^T k
     delta = (v - remembered) * beta[..., None]

@@ -320,6 +320,21 @@ def flash_attention(
     return _ext.flash_attention(q, k, v, scale, causal, threads or LARGE_M_THREADS)
 
 
+def delta_available() -> bool:
+    """Whether the compiled module has the gated delta rule's one-row step."""
+    return _ext is not None and hasattr(_ext, "delta_step")
+
+
+def delta_step(q, k, v, g, beta, state, *, threads: int | None = None) -> list[mx.array]:
+    """One row of the gated delta rule (``delta.h``; ``runner.models.gated_delta``'s
+    ``recurrent_step``): float32 ``q``, ``k`` ``[B, H, Dk]``, ``v`` ``[B, H, Dv]``, ``g``,
+    ``beta`` ``[B, H]``, ``state`` ``[B, H, Dk, Dv]``; returns ``[y, new state]``. ``threads``
+    (heads split over threads) defaults to every core."""
+    if not delta_available():
+        raise RuntimeError("runner.native has no delta step: " + (_reason or "rebuild it"))
+    return _ext.delta_step(q, k, v, g, beta, state, threads or LARGE_M_THREADS)
+
+
 def qpanels_available() -> bool:
     """Whether the compiled module has the quantized panel product."""
     return _ext is not None and hasattr(_ext, "qpanel_matmul")

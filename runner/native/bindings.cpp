@@ -12,6 +12,7 @@
 #include "kernels.h"
 #include "attention.h"
 #include "block.h"
+#include "delta.h"
 #include "gathered.h"
 #include "quantized.h"
 #include "rows.h"
@@ -131,6 +132,20 @@ NB_MODULE(_smallrow, m) {
       "row_attention for several sequences in one node: q [1, H, R, D] holds counts[i] rows of "
       "sequence i in turn, each over the first lengths[i] positions of its buffers "
       "keys[i], values[i] [1, G, capacity, D].");
+  m.def(
+      "delta_step",
+      &mtp_native::delta_step,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "threads"_a = 1,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "One row of the gated delta rule per sequence and value head: q, k [B, H, Dk], v "
+      "[B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv] (float32); returns [y, new state].");
   m.def(
       "row_attention_quantized",
       &mtp_native::row_attention_quantized,

@@ -16,14 +16,13 @@ namespace mtp_native {
 
 namespace mx = mlx::core;
 
-// A CPU-only forward primitive: the GPU, differentiation and vmap refuse by name.
-class InferencePrimitive : public mx::UnaryPrimitive {
+// A CPU-only forward primitive: the GPU, differentiation and vmap refuse by name. `Base`:
+// mx::UnaryPrimitive (one output) or mx::Primitive (several: InferencePrimitives).
+template <class Base>
+class Inference : public Base {
  public:
-  explicit InferencePrimitive(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  explicit Inference(mx::Stream stream) : Base(stream) {}
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    refuse("has no GPU implementation; use a CPU stream");
-  }
   std::vector<mx::array> jvp(
       const std::vector<mx::array>&,
       const std::vector<mx::array>&,
@@ -43,9 +42,26 @@ class InferencePrimitive : public mx::UnaryPrimitive {
     refuse("vmap is not implemented");
   }
 
- private:
+ protected:
   [[noreturn]] void refuse(const char* what) const {
-    throw std::runtime_error(std::string("[") + name() + "] " + what + ".");
+    throw std::runtime_error(std::string("[") + this->name() + "] " + what + ".");
+  }
+};
+
+class InferencePrimitive : public Inference<mx::UnaryPrimitive> {
+ public:
+  using Inference::Inference;
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    refuse("has no GPU implementation; use a CPU stream");
+  }
+};
+
+// The same with several outputs (mx::array::make_arrays).
+class InferencePrimitives : public Inference<mx::Primitive> {
+ public:
+  using Inference::Inference;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    refuse("has no GPU implementation; use a CPU stream");
   }
 };
 
