@@ -84,3 +84,35 @@ def test_bad_operands_are_refused_by_name():
         native.delta_step(q, k, v, g, beta, state[..., :4])
     with pytest.raises(ValueError, match="delta_step.*g and beta"):
         native.delta_step(q, k, v, g[:, :1], beta, state)
+
+
+def test_the_fused_row_equals_the_composed_mixer_of_a_hybrid_layer():
+    """``GatedDeltaNet.row`` (one native node) against ``mix`` (the composed ops) on the
+    hybrid fixture's layers: grouped key heads, a conv of 4, several sequences at once."""
+    from pathlib import Path
+
+    from runner.loader import load_model
+    from runner.models.qwen3_5 import LinearBlock
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "reference" / "hybrid" / "qwen3_5_text"
+    model = load_model(str(fixture), dtype="float32")
+    layers = [layer.linear_attn for layer in model.model.layers if isinstance(layer, LinearBlock)]
+    rng = np.random.default_rng(4)
+    for mixer in layers:
+        channels, heads = sum(mixer.widths), mixer.value_heads
+        shapes = [
+            (3, 1, channels),
+            (3, 1, heads),
+            (3, 1, heads),
+            (3, mixer.kernel - 1, channels),
+            (3, heads, mixer.key_dim, mixer.value_dim),
+        ]
+        qkv, b, a, conv, state = (
+            mx.array(rng.standard_normal(s, dtype=np.float32)) for s in shapes
+        )
+        fused = mixer.row(qkv, b, a, conv, state)
+        composed = mixer.mix(qkv, b, a, conv, state)[:3]
+        for got, want in zip(fused, composed, strict=True):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+        assert mx.array_equal(fused[1], composed[1]).item()  # the conv rows kept: a copy

@@ -51,6 +51,7 @@ import mlx.nn as nn
 
 from cache.recurrent import RecurrentCache
 from protocol.errors import CorruptModelFile
+from runner import native
 from runner.images import rope_tables
 from runner.models.activations import silu
 from runner.models.gated_delta import decay_and_beta, gated_delta, normalize_qk
@@ -378,6 +379,21 @@ class GatedDeltaNet(nn.Module):
         kept = [(rows[:, r : r + keep], s) for r, s in zip(states_at, kept, strict=True)]
         return y.astype(qkv.dtype), rows[:, length:], state, kept
 
+    def row(
+        self, qkv: mx.array, b: mx.array, a: mx.array, conv: mx.array, state: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """:meth:`mix` for one row after a conv history: on the CPU in float32, one native
+        node (``runner.native.delta_row``: conv, norms, decay and the delta step) where the
+        composed mixer takes a dozen small ones; the outputs, conv rows and state after."""
+        if qkv.dtype == mx.float32 and mx.default_device() == mx.cpu and native.delta_available():
+            weight, heads = self.conv1d.weight, self.key_heads
+            y, conv, state = native.delta_row(
+                qkv, conv, weight, b, a, self.A_log, self.dt_bias, state, heads
+            )
+            return y, conv, state
+        y, conv, state, _ = self.mix(qkv, b, a, conv, state)
+        return y, conv, state
+
     def output(self, y: mx.array, z: mx.array) -> mx.array:
         """``out_proj(rmsnorm(y) * silu(z))``, the norm per value head, in float32."""
         batch, length = y.shape[:2]
@@ -430,13 +446,17 @@ class LinearBlock(DecoderLayer):
     ) -> mx.array:
         """The mixer over the cache: the states the cache wants come back with the forward."""
         length = qkv.shape[1]
-        wanted = tuple(cache.wanted(length))
+        wanted = tuple(cache.wanted(length))  # none for one row: only rows before the last
         conv, state = cache.conv, cache.recurrent
-        if compiled and length == 1 and not wanted and conv is not None:
-            if self._step_of is not self.compiled:  # compiled parts keep what they traced
-                self._step = mx.compile(self.linear_attn.mix)
-                self._step_of = self.compiled
-            y, conv, state, kept = self._step(qkv, b, a, conv, state)
+        if length == 1 and conv is not None:
+            if not compiled:
+                y, conv, state = self.linear_attn.row(qkv, b, a, conv, state)
+            else:
+                if self._step_of is not self.compiled:  # compiled parts keep what they traced
+                    self._step = mx.compile(self.linear_attn.row)
+                    self._step_of = self.compiled
+                y, conv, state = self._step(qkv, b, a, conv, state)
+            kept = []
         else:
             y, conv, state, kept = self.linear_attn.mix(qkv, b, a, conv, state, wanted)
         cache.update(conv, state, length, dict(zip(wanted, kept, strict=True)))

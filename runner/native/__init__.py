@@ -321,8 +321,8 @@ def flash_attention(
 
 
 def delta_available() -> bool:
-    """Whether the compiled module has the gated delta rule's one-row step."""
-    return _ext is not None and hasattr(_ext, "delta_step")
+    """Whether the compiled module has the gated delta rule's one-row step and mixer."""
+    return _ext is not None and hasattr(_ext, "delta_row")
 
 
 def delta_step(q, k, v, g, beta, state, *, threads: int | None = None) -> list[mx.array]:
@@ -333,6 +333,15 @@ def delta_step(q, k, v, g, beta, state, *, threads: int | None = None) -> list[m
     if not delta_available():
         raise RuntimeError("runner.native has no delta step: " + (_reason or "rebuild it"))
     return _ext.delta_step(q, k, v, g, beta, state, threads or LARGE_M_THREADS)
+
+
+def delta_row(qkv, conv, weight, b, a, a_log, dt_bias, state, key_heads: int) -> list[mx.array]:
+    """A Gated DeltaNet layer's whole one-row mixer (``delta.h``; ``GatedDeltaNet.mix`` for
+    one row): returns ``[y, the conv rows after, the new state]``, heads over every core."""
+    if not delta_available():
+        raise RuntimeError("runner.native has no delta step: " + (_reason or "rebuild it"))
+    args = (qkv, conv, weight, b, a, a_log, dt_bias, state, key_heads, LARGE_M_THREADS)
+    return _ext.delta_row(*args)
 
 
 def qpanels_available() -> bool:

@@ -147,6 +147,23 @@ NB_MODULE(_smallrow, m) {
       "One row of the gated delta rule per sequence and value head: q, k [B, H, Dk], v "
       "[B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv] (float32); returns [y, new state].");
   m.def(
+      "delta_row",
+      &mtp_native::delta_row,
+      "qkv"_a,
+      "conv"_a,
+      "weight"_a,
+      "b"_a,
+      "a"_a,
+      "a_log"_a,
+      "dt_bias"_a,
+      "state"_a,
+      "key_heads"_a,
+      "threads"_a = 1,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "A Gated DeltaNet layer's one-row mixer (conv, SiLU, q/k norms, decay, the delta step); "
+      "returns [y [B, 1, Hv, Dv], the conv rows after, the new state].");
+  m.def(
       "row_attention_quantized",
       &mtp_native::row_attention_quantized,
       "q"_a,
