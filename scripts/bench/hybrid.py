@@ -172,7 +172,7 @@ def runner_worker(directory: str) -> None:
     from cache.recurrent import RecurrentCache
     from drafting.mlx_ops import MlxRoundOps
     from drafting.session import Proposal
-    from runner.decoder import prefill
+    from runner.prefill import prefill
     from runner.engine import Engine, EngineOptions
     from runner.sampler import Sampler, SamplingParams
 
