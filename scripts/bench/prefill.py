@@ -3,7 +3,7 @@
 Each side is a process loaded once and driven one command at a time, runs interleaved
 (length by length, side by side) after one untimed warm-up per side:
 
-- "runner": this tree's ``runner.decoder.prefill`` on the engine's tuned model (the layout,
+- "runner": this tree's ``runner.prefill.prefill`` on the engine's tuned model (the layout,
   compiled blocks and ``prefill_chunk`` the server uses), fresh caches for every run;
 - "baseline" (``--baseline REV``): the same worker on another revision of the runner,
   exported with ``git archive`` under bench-results/ with this tree's native build copied
@@ -56,7 +56,7 @@ def runner_worker(model_path: str, tree: str) -> None:
     import mlx.core as mx
 
     import runner
-    from runner.decoder import Cancelled, chunk_ends, prefill
+    from runner.prefill import Cancelled, chunk_ends, prefill
     from runner.engine import Engine, EngineOptions
 
     engine = Engine(EngineOptions(model_path=model_path, use_draft=False, prefix_cache=False))
