@@ -57,14 +57,19 @@ def test_sliding_window_streams_in_shared_forwards_equal_alone(case, drafts_pay)
 
 
 @pytest.mark.parametrize("case", ["qwen3_5_text", "qwen3_5_vl"])
-def test_hybrid_streams_in_shared_forwards_equal_alone(case):
-    """The Qwen3.5 hybrid decodes several streams in one forward (a row a stream: its
-    recurrent states step by one row each); a stream left alone speculates with the
-    checkpoint's own head again. The same tokens as alone, greedy and seeded."""
-    engine = Engine(EngineOptions(model_path=str(FIXTURES / "hybrid" / case), parallel=3))
+def test_hybrid_streams_in_shared_forwards_equal_alone(case, drafts_pay):  # noqa: F811
+    """The Qwen3.5 hybrid decodes several streams in one forward, each sequence's recurrent
+    states fed its own rows, drafts verified there (their states kept for the rollback); a
+    stream left alone speculates with the checkpoint's own head again. The same tokens as
+    alone, greedy and seeded."""
+    path = str(FIXTURES / "hybrid" / case)
+    # Random weights seldom repeat themselves: the together runs draft from the outputs
+    # their solo runs left in the recent outputs' index.
+    engine = Engine(EngineOptions(model_path=path, parallel=3, recent_outputs=2048))
     assert engine.parallel == 3, engine.parallel_detail
-    assert engine.shared_draft_rows == 0
-    assert_equal_alone(engine, requests("g", 4))
+    assert engine.shared_draft_rows > 0
+    _, greedy = assert_equal_alone(engine, requests("g", 4))
+    assert greedy.shared_rounds > 0
     assert_equal_alone(engine, requests("s", 4, **SEEDED))
 
 
@@ -85,15 +90,3 @@ def test_an_image_prompt_in_shared_forwards_equals_alone():
         for i in range(3)
     ]
     assert_equal_alone(engine, reqs)
-
-
-def test_hidden_rows_refuse_several_rows_a_sequence_on_the_hybrid():
-    """The hybrid's recurrent states step a row at a time in shared forwards: a forward with
-    several rows of a sequence is refused by name, not computed wrongly."""
-    import mlx.core as mx
-
-    engine = Engine(EngineOptions(model_path=str(FIXTURES / "hybrid" / "qwen3_5_text")))
-    model = engine.model
-    caches = [model.make_caches(), model.make_caches()]
-    with pytest.raises(ValueError, match="one row a sequence"):
-        model.hidden_rows(mx.array([3, 4, 5], dtype=mx.int32), caches, [1, 2])

@@ -428,9 +428,9 @@ class LinearBlock(DecoderLayer):
         return after(x, y, z)
 
     def rows(self, x: mx.array, rope: RopeTables, caches: list, rows: SequenceRows) -> mx.array:
-        """One row of each of several sequences (``runner.models.shared_rows``): the
-        projections shared, each sequence's conv and state stepped by its own row, as a step
-        of its own steps them (a state does not rewind, so a sequence feeds one row)."""
+        """Rows of several sequences (``runner.models.shared_rows``): the projections
+        shared, each sequence's conv and state fed its own rows as a feed of its own feeds
+        them (a verify's rows keep the states its round asked for)."""
         compiled = self.compiled is not None and self.compiled.serves(x)
         before, after = self.parts(x)
         qkv, z, b, a = before(x)
@@ -515,9 +515,6 @@ class Model(LlamaCausalLM):
     # Its ``hidden`` takes no ``on_layer``, and a recurrent state does not rewind to any
     # offset of the last feed: prefill feeds a chunk at a time.
     takes_layer_hook: bool = False
-    # Shared forwards feed a row a sequence: a verify of several rows keeps states to roll
-    # back to, which a step of its own does (``LinearBlock.recur``) and a shared one does not.
-    ragged_rows: int = 0
 
     def prepare_weights(
         self, weights: dict[str, mx.array], sources: dict[str, str]
