@@ -491,6 +491,20 @@ async def test_ranks_share_forwards_between_requests_as_one_process_runs_each(de
         assert await _outputs(cmd, requests, shared=True) == expected, size
 
 
+async def test_ranks_share_a_hybrids_forwards_as_one_process_runs_each():
+    # Every rank's Gated DeltaNet layers step each sequence's own state in a shared forward.
+    path = os.path.join(HYBRID, "qwen3_5_text")
+    requests = [  # prompts whose answers run to their length on this fixture (256 positions)
+        {"prompt": "In the beginning", "options": {"temperature": 0, "num_predict": 24}},
+        {"prompt": "a b c d", "options": {"temperature": 0.9, "seed": 11, "num_predict": 24}},
+        {"prompt": "Tell me", "options": {"temperature": 0.7, "seed": 3, "num_predict": 8}},
+        {"prompt": "xyz", "options": {"temperature": 0, "num_predict": 8}},
+    ]
+    expected = await _outputs(_runner(path), requests)
+    cmd = _runner(path, "--ranks", "2", "--parallel", "2")
+    assert await _outputs(cmd, requests, shared=True) == expected
+
+
 async def test_later_ranks_sliding_windows_keep_one_completion_at_a_time(checkpoint_factory):
     # Rank 0's layers attend in full; the second rank's slide a window, which one process
     # does not batch either: refused where the ranks are linked, said in the log.

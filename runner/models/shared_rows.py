@@ -51,11 +51,12 @@ class SequenceRows:
 
     @classmethod
     def of(cls, model: Any, caches: list[list], counts: list[int], dtype: mx.Dtype) -> SequenceRows:
-        attn0 = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
+        attending = [layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")]
         offsets = [c[0].offset for c in caches]
-        feeds = [
-            FeedLayout(attn0, offset, n, dtype, None)
+        feeds = [  # none where no layer attends (a split hybrid's stage of recurrent layers)
+            FeedLayout(attending[0], offset, n, dtype, None)
             for offset, n in zip(offsets, counts, strict=True)
+            if attending
         ]
         ends = list(itertools.accumulate(counts))[:-1]
         return cls(counts, ends, caches, offsets, feeds, dtype)
