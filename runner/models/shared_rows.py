@@ -9,7 +9,7 @@ their own runs, so a sequence's rows keep their bits whatever else is in the for
 panel products, which the CPU layout uses).
 
 Each layer takes its rows with ``rows`` (``DecoderLayer.rows``; the hybrid's blocks have
-their own: a recurrent layer steps each sequence's state by its own row). Each sequence's rows
+their own: a recurrent layer feeds each sequence's state its own rows). Each sequence's rows
 attend with the mask a feed of its own builds (``FeedLayout``: causal over its own rows, a
 sliding layer's window from its own offset), and a prompt with images keeps its positions and
 feature rows.
