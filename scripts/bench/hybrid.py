@@ -172,8 +172,8 @@ def runner_worker(directory: str) -> None:
     from cache.recurrent import RecurrentCache
     from drafting.mlx_ops import MlxRoundOps
     from drafting.session import Proposal
-    from runner.prefill import prefill
     from runner.engine import Engine, EngineOptions
+    from runner.prefill import prefill
     from runner.sampler import Sampler, SamplingParams
 
     engine = Engine(EngineOptions(model_path=directory, use_draft=False, prefix_cache=False))

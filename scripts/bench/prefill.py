@@ -56,8 +56,8 @@ def runner_worker(model_path: str, tree: str) -> None:
     import mlx.core as mx
 
     import runner
-    from runner.prefill import Cancelled, chunk_ends, prefill
     from runner.engine import Engine, EngineOptions
+    from runner.prefill import Cancelled, chunk_ends, prefill
 
     engine = Engine(EngineOptions(model_path=model_path, use_draft=False, prefix_cache=False))
     model, chunk = engine.model, engine.options.prefill_chunk
