@@ -274,8 +274,6 @@ class Engine:
         if wanted <= 1:
             return 1, "one completion at a time"
         refusal = self.model.rows_refusal()
-        if refusal is None and self.feed_dependent:
-            refusal = "the RoPE depends on how tokens are fed"
         if refusal is not None:
             log.warning("--parallel %d: %s; serving one completion at a time", wanted, refusal)
             return 1, f"one completion at a time ({refusal})"

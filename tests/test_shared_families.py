@@ -1,9 +1,10 @@
 """Families with per-sequence state beyond a plain cache in shared forwards (``--parallel``):
 sliding-window layers (Mistral, Qwen2, Gemma 2 / 3: each sequence's rows masked to its own
-window over its own rotating cache) and the Qwen3.5 hybrid (each sequence's recurrent state
-stepped by its own row, a prompt with images at its own positions). Every stream gives what
-it gives alone, greedy and seeded, with drafts verified in the shared forwards where the
-family takes several rows a sequence."""
+window over its own rotating cache), the Qwen3.5 hybrid (each sequence's recurrent states fed
+its own rows, a prompt with images at its own positions) and RoPEs whose rotation depends on
+where a feed ends (Phi-3's longrope: each sequence's rows rotated as its own). Every stream
+gives what it gives alone, greedy and seeded, with drafts verified in the shared forwards
+where the family takes several rows a sequence."""
 
 from __future__ import annotations
 
@@ -56,13 +57,15 @@ def test_sliding_window_streams_in_shared_forwards_equal_alone(case, drafts_pay)
     assert_equal_alone(engine, requests("s", 5, **SEEDED))
 
 
-@pytest.mark.parametrize("case", ["qwen3_5_text", "qwen3_5_vl"])
+@pytest.mark.parametrize(
+    "case", ["hybrid/qwen3_5_text", "hybrid/qwen3_5_vl", "moe/qwen3_5_moe", "moe/qwen3_next_moe"]
+)
 def test_hybrid_streams_in_shared_forwards_equal_alone(case, drafts_pay):  # noqa: F811
-    """The Qwen3.5 hybrid decodes several streams in one forward, each sequence's recurrent
-    states fed its own rows, drafts verified there (their states kept for the rollback); a
-    stream left alone speculates with the checkpoint's own head again. The same tokens as
-    alone, greedy and seeded."""
-    path = str(FIXTURES / "hybrid" / case)
+    """The Qwen3.5 / Qwen3-Next hybrids (dense and MoE) decode several streams in one
+    forward, each sequence's recurrent states fed its own rows, drafts verified there (their
+    states kept for the rollback); a stream left alone speculates with the checkpoint's own
+    head again. The same tokens as alone, greedy and seeded."""
+    path = str(FIXTURES / case)
     # Random weights seldom repeat themselves: the together runs draft from the outputs
     # their solo runs left in the recent outputs' index.
     engine = Engine(EngineOptions(model_path=path, parallel=3, recent_outputs=2048))
@@ -90,3 +93,13 @@ def test_an_image_prompt_in_shared_forwards_equals_alone():
         for i in range(3)
     ]
     assert_equal_alone(engine, reqs)
+
+
+def test_longrope_streams_in_shared_forwards_equal_alone():
+    """Each sequence's rows rotate as a feed of its own rotates them (Phi-3's longrope takes
+    its long factors once a feed ends past 32 positions, so the streams in one forward rotate
+    with different factors): the same tokens as alone, greedy and seeded, past the switch."""
+    engine = Engine(EngineOptions(model_path=str(FIXTURES / "phi3_longrope_new"), parallel=4))
+    assert engine.parallel == 4, engine.parallel_detail
+    assert_equal_alone(engine, requests("g", 5))
+    assert_equal_alone(engine, requests("s", 5, **SEEDED))

@@ -516,15 +516,11 @@ class Model(SharedRows, nn.Module):
 
     def rows_refusal(self) -> str | None:
         """Why :meth:`hidden_rows` cannot serve this model (None: it can). It needs blocks
-        that take rows of several sequences (``DecoderLayer.rows``, or a block's own) and a
-        RoPE that does not depend on the feed."""
+        that take rows of several sequences (``DecoderLayer.rows``, or a block's own)."""
         for layer in self.model.layers:
             kind = type(layer)
             if kind.__call__ is not DecoderLayer.__call__ and kind.rows is DecoderLayer.rows:
                 return f"{kind.__name__} blocks are not batched across sequences"
-            attn = getattr(layer, "self_attn", None)
-            if attn is not None and attn.rope.depends_on_feed:
-                return "the RoPE depends on how tokens are fed"
         return None
 
     def unembed(self, hidden: mx.array) -> mx.array:

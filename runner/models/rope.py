@@ -132,6 +132,11 @@ class RoPE(nn.Module):
             if self.depends_on_feed:
                 return (offset_array, self.periods(offset, length))
             return (offset_array,)
+        return self.composed_tables(offset, length, dtype)
+
+    def composed_tables(self, offset: int, length: int, dtype: mx.Dtype = mx.float32) -> RopeTables:
+        """:meth:`tables` in the composed form whatever ``fast`` says (a forward shared by
+        several sequences concatenates each sequence's)."""
         positions = mx.arange(offset, offset + length, dtype=mx.float32)
         return self._composed(positions, self.periods(offset, length), dtype)
 

@@ -63,16 +63,19 @@ class SequenceRows:
 
     def rope_tables(self, layer: Any) -> RopeTables:
         """``layer``'s RoPE tables for every row: each at its sequence's next positions (a
-        prompt with images at the positions its layout gives)."""
+        prompt with images at the positions its layout gives), rotated as a feed of that
+        sequence's own rows rotates them (a RoPE whose periods depend on where the feed ends:
+        each sequence's own)."""
+        rope = layer.self_attn.rope
         layouts = [c[0].layout for c in self.caches]
-        if all(layout is None for layout in layouts):
-            sequences = zip(self.offsets, self.counts, strict=True)
-            positions = [offset + j for offset, n in sequences for j in range(n)]
-            return layer.self_attn.rope.row_tables(positions, self.dtype)
-        parts = [
-            layer.rope_tables(layout, offset, n, self.dtype)
-            for layout, offset, n in zip(layouts, self.offsets, self.counts, strict=True)
-        ]
+        sequences = list(zip(layouts, self.offsets, self.counts, strict=True))
+        if rope.depends_on_feed:
+            parts = [rope.composed_tables(offset, n, self.dtype) for _, offset, n in sequences]
+        elif any(layout is not None for layout in layouts):
+            parts = [layer.rope_tables(*sequence, self.dtype) for sequence in sequences]
+        else:
+            positions = [offset + j for _, offset, n in sequences for j in range(n)]
+            return rope.row_tables(positions, self.dtype)
         cos, sin = (mx.concatenate([p[i] for p in parts]) for i in (0, 1))
         return (cos, sin, *parts[0][2:])
 
