@@ -3,8 +3,6 @@ give each exactly what it gives alone; cancels, failures and the prefix cache pe
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,7 +13,6 @@ from runner.batch import Scheduler
 from runner.engine import Engine, EngineOptions
 from runner.prefill import prefill
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference"
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 QUESTIONS = [
     "Tell me about cats.",
@@ -176,15 +173,6 @@ def test_interleaved_multi_turn_chats_keep_their_prefix_hits(engine):
             text = engine.detokenize(out.ids)
             history[k] += text + "<|im_end|>\n<|im_start|>user\nAnd more?<|im_end|>\n"
             history[k] += "<|im_start|>assistant\n"
-
-
-def test_parallel_falls_back_to_one_for_models_it_cannot_batch():
-    """Gemma 4's blocks (layers reading another layer's keys and values) take no rows of
-    several sequences: the engine serves one completion at a time and says why."""
-    gemma4 = FIXTURES / "gemma4" / "gemma4_dense"
-    engine = Engine(EngineOptions(model_path=str(gemma4), parallel=4, use_draft=False))
-    assert engine.parallel == 1 and "not batched" in engine.parallel_detail
-    assert len(engine.slots) == 1
 
 
 def test_tiny_models_of_each_batched_family_match_alone(checkpoint_factory):

@@ -388,8 +388,8 @@ async def test_ranks_resume_a_hybrid_from_the_prefix_cache_as_one_process_does()
     text = LONG_PROMPT[: len(LONG_PROMPT) // 3]  # the fixture's context is short
     expected = await _chat(_runner(path, *options), text)
     assert sum(hit > 0 for _, hit in expected) >= 3, expected
-    # With room for two completions: a hybrid's are not batched (as in one process), but
-    # each keeps a set of caches on every rank, and the prefix cache serves both sets.
+    # With room for two completions (a chat's turns come one after another): each slot
+    # keeps a set of caches on every rank, and the prefix cache serves both sets.
     ranked = _runner(path, *options, "--ranks", "2", "--parallel", "2")
     assert await _chat(ranked, text) == expected
 

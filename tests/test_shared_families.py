@@ -19,7 +19,15 @@ from tests.test_batch import alone, together
 from tests.test_shared_rounds import drafts_pay  # noqa: F401 (a fixture)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference"
-SLIDING = ["mistral_sliding", "qwen2_sliding_new", "gemma2_new", "gemma3_text_new"]
+SLIDING = [
+    "mistral_sliding",
+    "qwen2_sliding_new",
+    "gemma2_new",
+    "gemma3_text_new",
+    "gemma4/gemma4_dense",
+    "gemma4/gemma4_e",  # layers reading other layers' keys and values, per-layer inputs
+    "gemma4/gemma4_moe",  # an expert block beside the MLP
+]
 SEEDED = {"temperature": 0.8, "top_k": 40, "seed": 7}
 
 

@@ -29,9 +29,10 @@ assistant drafter reads (``runner.models.gemma4_assistant``).
 Projections, packing, compiled blocks and the composed / ``mx.fast`` attention are the llama
 family's (``Attention.attend_cached``: row-by-row verify feeds, the blocked kernel for long
 feeds), so ``runner.device.tune`` lays these models out the same way; q/k/v fuse only where
-all three exist. Shared forwards across sequences (``--parallel``) are refused (sliding layers,
-blocks of their own: ``rows_refusal``); ``--kv-bits`` falls back to float caches when layers
-share keys and values (the engine finds fewer caches than layers).
+all three exist. Shared forwards across sequences (``--parallel``: ``Model.layer_rows``) walk
+the shorter cache lists as ``layer_outputs`` does, each sequence's fetched keys kept for the
+layers sharing them; ``--kv-bits`` falls back to float caches when layers share keys and
+values (the engine finds fewer caches than layers).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from runner.models.llama import (
 from runner.models.llama import Model as LlamaCausalLM
 from runner.models.moe import SwitchGLU, gathered
 from runner.models.rope import RoPE, RopeTables
+from runner.models.shared_rows import SequenceRows, attend_rows
 
 __all__ = ["FAMILIES", "Model", "head_layer", "model_args"]
 
@@ -284,6 +286,45 @@ class Gemma4DecoderLayer(DecoderLayer):
             attended = attn.attend_cached(q, *kv, mask, cache)
         return after(x, attended) if per_layer is None else after(x, attended, per_layer)
 
+    def rows(
+        self,
+        x: mx.array,
+        rope: RopeTables,
+        caches: list,
+        rows: SequenceRows,
+        per_layer: mx.array | None = None,
+        shared: list[SharedKV] | None = None,
+    ) -> mx.array:
+        """Rows of several sequences (``Model.layer_rows``): ``caches[i]`` sequence i's cache
+        of this layer (a shared layer: its source's), ``shared[i]`` its fetched keys and
+        values by layer, each sequence attending as a forward of its own attends."""
+        before, after = self.parts(x)
+        q, *kv = before(x, *rope)
+        if self.kv_source is None and not (self.shares_kv and shared is not None):
+            attended = attend_rows(self, q, *kv, caches, rows)
+        else:
+            attended = self._fetched_rows(q, kv, caches, rows, shared)
+        return after(x, attended) if per_layer is None else after(x, attended, per_layer)
+
+    def _fetched_rows(self, q, kv, caches: list, rows: SequenceRows, shared: list[SharedKV]):
+        """A shared layer's attention (each sequence reading its source's fetched keys), or
+        a source's (each sequence's fetch kept for the layers that read it), sequence by
+        sequence with each one's own mask, as ``__call__`` attends for one sequence."""
+        split = [mx.split(t, rows.ends, axis=2) if rows.ends else [t] for t in (q, *kv)]
+        attn, parts = self.self_attn, []
+        for i, (cache, feed) in enumerate(zip(caches, rows.feeds, strict=True)):
+            mask = feed.layer_mask(self, cache)  # before the fetch moves the cache's offset
+            qi, *kvi = (t[i] for t in split)
+            if self.kv_source is None and isinstance(cache, QuantizedKVCache):
+                parts.append(attn.attend_cached(qi, *kvi, mask, cache))
+                continue
+            if self.kv_source is not None:
+                keys, values = shared[i][self.kv_source]
+            else:
+                keys, values = shared[i][self.index] = cache.update_and_fetch(*kvi)
+            parts.append(attn.attend_cached(qi, keys, values, mask, FetchedKV(keys, values)))
+        return mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+
     def before_cache(self, x: mx.array, *rope: mx.array) -> tuple[mx.array, ...]:
         return self.self_attn.queries_keys_values(self.input_layernorm(x), rope)
 
@@ -445,6 +486,42 @@ class Model(LlamaCausalLM):
             row = None if per_layer is None else per_layer[:, :, index]
             x = layer(x, layer_mask, own, rope, row, shared)
             yield index, x
+
+    def hidden_rows(self, tokens: mx.array, caches: list, counts: list[int] | None = None):
+        """``SharedRows.hidden_rows`` with the per-layer inputs of every row."""
+        counts = [1] * len(caches) if counts is None else counts
+        if tokens.shape[0] != sum(counts) or len(counts) != len(caches):
+            raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists ({counts})")
+        ids = tokens.reshape(1, -1)
+        x = self.embed(ids)
+        x, streams = self.layer_rows(x, caches, counts, per_layer=self.per_layer_inputs(ids, x))
+        return self.draft_rows(x, streams)[0]
+
+    def layer_rows(
+        self,
+        x: mx.array,
+        caches: list,
+        counts: list[int] | None = None,
+        overlay: bool = False,
+        per_layer: mx.array | None = None,
+    ) -> tuple[mx.array, list[mx.array]]:
+        """``SharedRows.layer_rows`` over this model's shorter cache lists (a shared layer
+        reads its source's cache), each sequence's fetched keys kept for the layers sharing
+        them; ``per_layer``: the rows' per-layer inputs (``[1, R, layers, P]``)."""
+        counts = [1] * len(caches) if counts is None else counts
+        if x.shape[1] != sum(counts) or len(counts) != len(caches) or min(counts) < 1:
+            raise ValueError(f"{x.shape[1]} rows for {len(caches)} cache lists ({counts})")
+        rows = SequenceRows.of(self, caches, counts, x.dtype)
+        shared: list[SharedKV] = [{} for _ in caches]
+        tables: dict[str, RopeTables] = {}
+        for index, layer in enumerate(self.layers):
+            rope = tables.get(layer.rope_group) or rows.rope_tables(layer)
+            tables[layer.rope_group] = rope
+            own = [c[self._cache_of[index]] for c in caches]
+            row = None if per_layer is None else per_layer[:, :, index]
+            x = layer.rows(x, rope, own, rows, row, shared)
+            mx.async_eval(x)  # each layer starts as soon as it is built
+        return x, []
 
     def unembed(self, hidden: mx.array) -> mx.array:
         logits = super().unembed(hidden)
