@@ -51,12 +51,13 @@ class SequenceRows:
 
     @classmethod
     def of(cls, model: Any, caches: list[list], counts: list[int], dtype: mx.Dtype) -> SequenceRows:
-        attending = [layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")]
+        layers = model.model.layers
+        attn0 = next((layer.self_attn for layer in layers if "self_attn" in layer), None)
         offsets = [c[0].offset for c in caches]
         feeds = [  # none where no layer attends (a split hybrid's stage of recurrent layers)
-            FeedLayout(attending[0], offset, n, dtype, None)
+            FeedLayout(attn0, offset, n, dtype, None)
             for offset, n in zip(offsets, counts, strict=True)
-            if attending
+            if attn0 is not None
         ]
         ends = list(itertools.accumulate(counts))[:-1]
         return cls(counts, ends, caches, offsets, feeds, dtype)
@@ -141,7 +142,7 @@ class SharedRows:
         streams = []
         for index, layer in enumerate(self.model.layers):
             rope: RopeTables = ()
-            if hasattr(layer, "self_attn"):
+            if "self_attn" in layer:
                 rope = tables.get(layer.rope_group) or rows.rope_tables(layer)
                 tables[layer.rope_group] = rope
             x = layer.rows(x, rope, [c[index] for c in caches], rows)
