@@ -300,7 +300,9 @@ class Gemma4DecoderLayer(DecoderLayer):
         values by layer, each sequence attending as a forward of its own attends."""
         before, after = self.parts(x)
         q, *kv = before(x, *rope)
-        if self.kv_source is None and not (self.shares_kv and shared is not None):
+        # Packed caches take no fetch to share (``--kv-bits`` keeps such models float).
+        packed = isinstance(caches[0], QuantizedKVCache)
+        if self.kv_source is None and (not self.shares_kv or packed):
             attended = attend_rows(self, q, *kv, caches, rows)
         else:
             attended = self._fetched_rows(q, kv, caches, rows, shared)
@@ -315,9 +317,6 @@ class Gemma4DecoderLayer(DecoderLayer):
         for i, (cache, feed) in enumerate(zip(caches, rows.feeds, strict=True)):
             mask = feed.layer_mask(self, cache)  # before the fetch moves the cache's offset
             qi, *kvi = (t[i] for t in split)
-            if self.kv_source is None and isinstance(cache, QuantizedKVCache):
-                parts.append(attn.attend_cached(qi, *kvi, mask, cache))
-                continue
             if self.kv_source is not None:
                 keys, values = shared[i][self.kv_source]
             else:
@@ -487,31 +486,18 @@ class Model(LlamaCausalLM):
             x = layer(x, layer_mask, own, rope, row, shared)
             yield index, x
 
-    def hidden_rows(self, tokens: mx.array, caches: list, counts: list[int] | None = None):
-        """``SharedRows.hidden_rows`` with the per-layer inputs of every row."""
-        counts = [1] * len(caches) if counts is None else counts
-        if tokens.shape[0] != sum(counts) or len(counts) != len(caches):
-            raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists ({counts})")
-        ids = tokens.reshape(1, -1)
-        x = self.embed(ids)
-        x, streams = self.layer_rows(x, caches, counts, per_layer=self.per_layer_inputs(ids, x))
-        return self.draft_rows(x, streams)[0]
-
     def layer_rows(
         self,
         x: mx.array,
         caches: list,
         counts: list[int] | None = None,
-        overlay: bool = False,
-        per_layer: mx.array | None = None,
+        ids: mx.array | None = None,
     ) -> tuple[mx.array, list[mx.array]]:
         """``SharedRows.layer_rows`` over this model's shorter cache lists (a shared layer
         reads its source's cache), each sequence's fetched keys kept for the layers sharing
-        them; ``per_layer``: the rows' per-layer inputs (``[1, R, layers, P]``)."""
-        counts = [1] * len(caches) if counts is None else counts
-        if x.shape[1] != sum(counts) or len(counts) != len(caches) or min(counts) < 1:
-            raise ValueError(f"{x.shape[1]} rows for {len(caches)} cache lists ({counts})")
-        rows = SequenceRows.of(self, caches, counts, x.dtype)
+        them, the per-layer inputs of the tokens ``ids`` with every row."""
+        rows = SequenceRows.of(self, x, caches, counts)
+        per_layer = None if ids is None else self.per_layer_inputs(ids, x)
         shared: list[SharedKV] = [{} for _ in caches]
         tables: dict[str, RopeTables] = {}
         for index, layer in enumerate(self.layers):

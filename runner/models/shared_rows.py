@@ -50,8 +50,15 @@ class SequenceRows:
     dtype: mx.Dtype
 
     @classmethod
-    def of(cls, model: Any, caches: list[list], counts: list[int], dtype: mx.Dtype) -> SequenceRows:
-        layers = model.model.layers
+    def of(
+        cls, model: Any, x: mx.array, caches: list[list], counts: list[int] | None
+    ) -> SequenceRows:
+        """The division of rows ``x`` ``[1, R, D]``: ``counts[i]`` of them after ``caches[i]``
+        (one each when None); a ``ValueError`` where they do not add up."""
+        counts = [1] * len(caches) if counts is None else counts
+        if x.shape[1] != sum(counts) or len(counts) != len(caches) or min(counts) < 1:
+            raise ValueError(f"{x.shape[1]} rows for {len(caches)} cache lists ({counts})")
+        dtype, layers = x.dtype, model.model.layers
         attn0 = next((layer.self_attn for layer in layers if "self_attn" in layer), None)
         offsets = [c[0].offset for c in caches]
         feeds = [  # none where no layer attends (a split hybrid's stage of recurrent layers)
@@ -111,11 +118,8 @@ class SharedRows:
         (one each when None) fed after ``caches[i]`` (a per-layer cache list, each at its own
         offset), in order; returns the post-norm hiddens ``[R, D]``. Sequence i's rows have
         the bits of a causal ``hidden`` of them after ``caches[i]`` (module docstring)."""
-        counts = [1] * len(caches) if counts is None else counts
-        if tokens.shape[0] != sum(counts) or len(counts) != len(caches):
-            raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists ({counts})")
-        x = self.embed(tokens.reshape(1, -1))
-        x, streams = self.layer_rows(x, caches, counts, overlay=True)
+        ids = tokens.reshape(1, -1)
+        x, streams = self.layer_rows(self.embed(ids), caches, counts, ids=ids)
         return self.draft_rows(x, streams)[0]
 
     def layer_rows(
@@ -123,19 +127,16 @@ class SharedRows:
         x: mx.array,
         caches: list[list[KVCache]],
         counts: list[int] | None = None,
-        overlay: bool = False,
+        ids: mx.array | None = None,
     ) -> tuple[mx.array, list[mx.array]]:
         """:meth:`hidden_rows`' layers: rows ``x`` ``[1, R, D]``, ``counts[i]`` of them after
         ``caches[i]``; the last layer's output rows (before the final norm) and the draft
-        streams. ``overlay``: ``x`` was just embedded (image rows go in). A split model's
-        later ranks run their own layers on the rows they are handed."""
-        counts = [1] * len(caches) if counts is None else counts
-        if x.shape[1] != sum(counts) or len(counts) != len(caches) or min(counts) < 1:
-            raise ValueError(f"{x.shape[1]} rows for {len(caches)} cache lists ({counts})")
-        if max(counts) > 1 and not self.ragged_rows:
-            raise ValueError(f"{type(self).__name__} takes one row a sequence ({counts})")
-        rows = SequenceRows.of(self, caches, counts, x.dtype)
-        if overlay:
+        streams. ``ids``: the tokens ``x`` was just embedded from (image rows go in); None for
+        a split model's later ranks, which run their own layers on the rows they are handed."""
+        rows = SequenceRows.of(self, x, caches, counts)
+        if max(rows.counts) > 1 and not self.ragged_rows:
+            raise ValueError(f"{type(self).__name__} takes one row a sequence ({rows.counts})")
+        if ids is not None:
             x = rows.overlay(x)
         tables: dict[str, RopeTables] = {}
         wanted = self.draft_stream_layers
