@@ -394,6 +394,20 @@ async def test_ranks_resume_a_hybrid_from_the_prefix_cache_as_one_process_does()
     assert await _chat(ranked, text) == expected
 
 
+async def test_split_image_models_keep_one_completion_at_a_time():
+    # A shared forward hands the later ranks each row's offset, and an image request's rows
+    # sit past theirs: refused where the ranks are linked, said in the log.
+    runner = await RunnerProcess.start(_runner(str(VISION), "--ranks", "2", "--parallel", "2"))
+    try:
+        await runner.send({"type": "shutdown"})
+        assert await runner.wait_exit() == 0, runner.stderr_tail()
+    finally:
+        await runner.stop()
+    log = runner.stderr.decode()
+    assert "image positions do not cross the ranks in shared forwards" in log, log[-2000:]
+    assert "across 2 ranks: one completion at a time" in log, log[-2000:]
+
+
 async def test_ranks_serve_a_prompt_with_an_image_as_one_process_does():
     # Rank 0 holds the vision tower and embeds the image's rows; the later rank's attention
     # layer rotates them by the 3-channel positions rank 0 sends with them. The same image

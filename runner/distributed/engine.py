@@ -110,6 +110,10 @@ class PipelineEngine(Engine):
         link = Link(channel, self.watchdog, row_bytes, len(recurrent), len(recurrent) * each)
         loaded.model.link = link
         windowed = windowed_layers(checkpoint.args, later)
+        if loaded.model.vision_tensors:
+            # A shared forward sends the other ranks each row's offset, not its position: an
+            # image request's rows sit past their offsets (``runner.images``).
+            loaded.model.later_refusal = "image positions do not cross the ranks in shared forwards"
         if windowed:
             loaded.model.later_refusal = "sliding-window layers are not batched across sequences"
             if self.options.prefix_cache:

@@ -98,7 +98,8 @@ class PipelineModel(Model):
             raise ValueError(f"{tokens.shape[0]} rows for {len(caches)} cache lists")
         parts = self.link.parts
         own = [c[:-parts] for c in caches]
-        rows, streams = self.layer_rows(self.embed(tokens.reshape(1, -1)), own)
+        ids = tokens.reshape(1, -1)
+        rows, streams = self.layer_rows(self.embed(ids), own, ids=ids)
         rows = self.link.forward_rows(rows, [c[-parts:] for c in caches])
         return self.draft_rows(rows, streams)[0]
 
