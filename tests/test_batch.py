@@ -85,6 +85,18 @@ def together(engine: Engine, reqs, cancel_after=None, fail=None, max_steps=100_0
     return outs, scheduler
 
 
+def equal_alone(engine: Engine, reqs) -> tuple[dict, Scheduler]:
+    """Run ``reqs`` together (``together``) after each alone, and check that every one's
+    tokens and ending equal its own alone; the together run's outputs and scheduler."""
+    solo = {r.id: alone(engine, r) for r in reqs}
+    outs, scheduler = together(engine, reqs)
+    assert scheduler.shared_steps > 0
+    for r in reqs:
+        assert outs[r.id].ids == solo[r.id].ids, r.id
+        assert outs[r.id].done.done_reason == solo[r.id].done.done_reason, r.id
+    return outs, scheduler
+
+
 @pytest.fixture(scope="module")
 def engine(default_model):
     return Engine(EngineOptions(model_path=default_model, parallel=4))

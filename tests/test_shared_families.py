@@ -15,7 +15,7 @@ import pytest
 
 from protocol.requests import Completion, Options
 from runner.engine import Engine, EngineOptions
-from tests.test_batch import alone, together
+from tests.test_batch import equal_alone
 from tests.test_shared_rounds import drafts_pay  # noqa: F401 (a fixture)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference"
@@ -43,16 +43,6 @@ def requests(tag: str, count: int, **options) -> list[Completion]:
     return reqs
 
 
-def assert_equal_alone(engine: Engine, reqs: list[Completion]):
-    solo = {r.id: alone(engine, r) for r in reqs}
-    outs, scheduler = together(engine, reqs)
-    assert scheduler.shared_steps > 0
-    for r in reqs:
-        assert outs[r.id].ids == solo[r.id].ids, r.id
-        assert outs[r.id].done.done_reason == solo[r.id].done.done_reason, r.id
-    return outs, scheduler
-
-
 @pytest.mark.parametrize("case", SLIDING)
 def test_sliding_window_streams_in_shared_forwards_equal_alone(case, drafts_pay):  # noqa: F811
     """Four streams of a sliding-window family decode in shared forwards past their windows,
@@ -60,9 +50,9 @@ def test_sliding_window_streams_in_shared_forwards_equal_alone(case, drafts_pay)
     engine = Engine(EngineOptions(model_path=str(FIXTURES / case), parallel=4))
     assert engine.parallel == 4, engine.parallel_detail
     assert engine.shared_draft_rows > 0
-    _, greedy = assert_equal_alone(engine, requests("g", 5))
+    _, greedy = equal_alone(engine, requests("g", 5))
     assert greedy.shared_rounds > 0
-    assert_equal_alone(engine, requests("s", 5, **SEEDED))
+    equal_alone(engine, requests("s", 5, **SEEDED))
 
 
 @pytest.mark.parametrize(
@@ -79,9 +69,9 @@ def test_hybrid_streams_in_shared_forwards_equal_alone(case, drafts_pay):  # noq
     engine = Engine(EngineOptions(model_path=path, parallel=3, recent_outputs=2048))
     assert engine.parallel == 3, engine.parallel_detail
     assert engine.shared_draft_rows > 0
-    _, greedy = assert_equal_alone(engine, requests("g", 4))
+    _, greedy = equal_alone(engine, requests("g", 4))
     assert greedy.shared_rounds > 0
-    assert_equal_alone(engine, requests("s", 4, **SEEDED))
+    equal_alone(engine, requests("s", 4, **SEEDED))
 
 
 def test_an_image_prompt_in_shared_forwards_equals_alone():
@@ -100,7 +90,7 @@ def test_an_image_prompt_in_shared_forwards_equals_alone():
         )
         for i in range(3)
     ]
-    assert_equal_alone(engine, reqs)
+    equal_alone(engine, reqs)
 
 
 def test_longrope_streams_in_shared_forwards_equal_alone():
@@ -109,5 +99,5 @@ def test_longrope_streams_in_shared_forwards_equal_alone():
     with different factors): the same tokens as alone, greedy and seeded, past the switch."""
     engine = Engine(EngineOptions(model_path=str(FIXTURES / "phi3_longrope_new"), parallel=4))
     assert engine.parallel == 4, engine.parallel_detail
-    assert_equal_alone(engine, requests("g", 5))
-    assert_equal_alone(engine, requests("s", 5, **SEEDED))
+    equal_alone(engine, requests("g", 5))
+    equal_alone(engine, requests("s", 5, **SEEDED))
